@@ -1,0 +1,351 @@
+"""Triton attention kernels over a token-granular (page_size 1) KV pool.
+
+Layout shared by both entry points:
+
+- ``k_buf`` / ``v_buf``: one layer's KV pool, ``[num_slots, H_kv, D]``. Slot 0 is
+  a dummy slot; the kernels never read a slot that ``req_to_token`` does not map
+  from a position inside a request's length.
+- ``req_to_token``: int32 ``[num_rows, max_context]``; ``req_to_token[r, p]`` is
+  the KV slot of position ``p`` of the request in row ``r``. Entries beyond a
+  request's length may hold anything.
+- ``rows``: ``[B]`` request rows into ``req_to_token``.
+
+Query head ``h`` reads KV head ``h // (H_q // H_kv)`` (GQA/MQA). Softmax is
+computed online (flash-attention style) in fp32, in the log2 domain so the
+inner loop uses ``exp2``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Extend (prefill): 128 queries x 64 keys per step is the usual Hopper flash-
+# attention tile for D <= 128; q (32 KiB) plus two stages of K/V tiles
+# (2 x 32 KiB in bf16) fit comfortably in an H200 SM's shared memory.
+_EXTEND_BLOCK_M = 128
+_EXTEND_BLOCK_N = 64
+_EXTEND_NUM_STAGES = 2
+
+# Decode: 64 keys per step. Query heads of one KV group are padded to 16 rows,
+# the smallest M that tl.dot accepts on tensor cores.
+_DECODE_BLOCK_N = 64
+_DECODE_MIN_BLOCK_H = 16
+_DECODE_NUM_WARPS = 4
+_DECODE_NUM_STAGES = 2
+# Split-K sizing: aim for about two waves over an H200's 132 SMs, but never make
+# a split shorter than two key blocks (the merge would cost more than it saves),
+# and cap the split count to bound the scratch buffer and the stage-2 reduction.
+_DECODE_TARGET_PROGRAMS = 2 * 132
+_DECODE_MIN_SPLIT_LEN = 2 * _DECODE_BLOCK_N
+_DECODE_MAX_SPLITS = 64
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc):
+    """Fold one block of log2-scaled, already-masked scores ``qk`` [M, N] and
+    values ``v`` [N, D] into the running max ``m_i``, sum ``l_i`` and ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # Every row sees at least one unmasked key in its first block, so m_new is
+    # finite from then on and these exponents never produce NaN.
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, O, ReqToToken, Rows, PrefixLens, ExtendLens, ExtendStart,
+    qk_scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ot, stride_oh, stride_req,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    extend_len = tl.load(ExtendLens + b)
+    if m_start >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    q_start = tl.load(ExtendStart + b).to(tl.int64)
+    slot_row = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_req
+    kv_h = h // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < extend_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    q_pos = prefix_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys before this block's first query are visible to every query in it, so
+    # whole key blocks there need neither a causal nor a bounds mask.
+    full_end = (prefix_len + m_start) // BLOCK_N * BLOCK_N
+    for n_start in range(0, full_end, BLOCK_N):
+        slots = tl.load(slot_row + n_start + offs_n).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+
+    # The rest, up to this block's last real query, straddles the diagonal.
+    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, extend_len)
+    for n_start in range(full_end, kv_end, BLOCK_N):
+        k_pos = n_start + offs_n
+        n_mask = k_pos < kv_end
+        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+
+    out = acc / l_i[:, None]
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per decode split: a whole number of key blocks, so that only a
+    split's last block can be partial. Trailing splits may be empty."""
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse,
+    qk_scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
+    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:
+        return  # stage 2 recomputes which splits are empty and skips them
+    slot_row = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_req
+
+    # All query heads of this KV group share one program, so each K/V tile is
+    # loaded once per group; rows past GROUP are padding and never stored.
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_h * GROUP + offs_h
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        k_pos = n_start + offs_n
+        n_mask = k_pos < end
+        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+
+    # Store the split's normalized output and its log2-sum-exp; stage 2
+    # reweights splits by exp2(lse - max lse).
+    tl.store(
+        PartAcc + b * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :],
+        acc / l_i[:, None],
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    PartAcc, PartLse, O, SeqLens,
+    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    # Empty splits were never written: mask them out instead of reading scratch.
+    s_mask = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    part = tl.load(
+        PartAcc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+def _check_inputs(q, k_buf, v_buf, req_to_token):
+    assert q.dtype == k_buf.dtype == v_buf.dtype, "q, k_buf and v_buf must share a dtype"
+    assert q.shape[-1] == k_buf.shape[-1] == v_buf.shape[-1], "head dims differ"
+    assert k_buf.shape[1] == v_buf.shape[1] and q.shape[1] % k_buf.shape[1] == 0, "bad GQA head counts"
+    for t in (q, k_buf, v_buf, req_to_token):
+        assert t.stride(-1) == 1, "innermost dimension must be contiguous"
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.dot needs every tile dimension >= 16.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Causal attention for a batch of extend (prefill) chunks.
+
+    Shapes:
+        q: [T, H_q, D], T = sum(extend_lens); request b's queries are
+            q[extend_start[b] : extend_start[b] + extend_lens[b]], at absolute
+            positions prefix_lens[b] + i.
+        k_buf, v_buf: [num_slots, H_kv, D], same dtype as q; H_q % H_kv == 0.
+        req_to_token: int32 [num_rows, max_context].
+        rows, prefix_lens, extend_lens, extend_start: integer [B], on q's device.
+        max_extend_len: Python int >= max(extend_lens); sizes the grid only.
+    Invariants:
+        The new tokens' K/V are already in k_buf/v_buf at slots
+        req_to_token[rows[b], prefix_lens[b] : prefix_lens[b] + extend_lens[b]],
+        and prefix_lens[b] + extend_lens[b] <= max_context.
+        Query i of request b attends to positions 0 .. prefix_lens[b] + i.
+    Returns:
+        [T, H_q, D] in q's dtype (rows of q not covered by any request are
+        left uninitialized).
+    """
+    _check_inputs(q, k_buf, v_buf, req_to_token)
+    num_tokens, num_heads, head_dim = q.shape
+    block_d = _block_d(head_dim)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    grid = (rows.shape[0], num_heads, triton.cdiv(max_extend_len, _EXTEND_BLOCK_M))
+    _extend_kernel[grid](
+        q, k_buf, v_buf, o, req_to_token, rows, prefix_lens, extend_lens, extend_start,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        o.stride(0), o.stride(1), req_to_token.stride(0),
+        GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=_EXTEND_BLOCK_M, BLOCK_N=_EXTEND_BLOCK_N, BLOCK_D=block_d,
+        num_warps=4 if block_d <= 64 else 8, num_stages=_EXTEND_NUM_STAGES,
+    )
+    return o
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Single-token decode attention, flash-decoding style (split-K).
+
+    Shapes:
+        q: [B, H_q, D]; query b sits at position seq_lens[b] - 1.
+        k_buf, v_buf: [num_slots, H_kv, D], same dtype as q; H_q % H_kv == 0.
+        req_to_token: int32 [num_rows, max_context].
+        rows, seq_lens: integer [B], on q's device.
+        max_seq_len: Python int >= max(seq_lens), used only to choose the
+            number of KV splits; None means req_to_token.shape[1], which keeps
+            the launch shape independent of the batch's lengths (CUDA graphs).
+    Invariants:
+        1 <= seq_lens[b] <= max_context, and the query's own K/V is already
+        written at slot req_to_token[rows[b], seq_lens[b] - 1].
+    Returns:
+        [B, H_q, D] in q's dtype.
+
+    Stage 1 runs one program per (request, KV head, split): it loads each K/V
+    tile once for all query heads of the group and writes that split's
+    normalized output and log-sum-exp to fp32 scratch. Stage 2 merges the
+    splits per (request, query head).
+    """
+    _check_inputs(q, k_buf, v_buf, req_to_token)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
+    if max_seq_len is None:
+        max_seq_len = req_to_token.shape[1]
+    num_splits = max(1, min(
+        triton.cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads)),
+        triton.cdiv(max_seq_len, _DECODE_MIN_SPLIT_LEN),
+        _DECODE_MAX_SPLITS,
+    ))
+
+    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+
+    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
+        BLOCK_N=_DECODE_BLOCK_N, BLOCK_D=block_d,
+        num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES,
+    )
+    _decode_stage2_kernel[(batch, num_heads)](
+        part_acc, part_lse, o, seq_lens,
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=_DECODE_BLOCK_N, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return o

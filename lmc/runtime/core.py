@@ -1,0 +1,156 @@
+"""Core records of the runtime: sampling parameters, requests and their results.
+
+A `Req` is the scheduler's unit of work. Its token sequence is `fill_ids = input_ids + output_ids`; the first
+`kv_len` of those have KV in the pool, reachable through the request's row of the slot table. While decoding,
+exactly one token (the last sampled one) has no KV yet: `kv_len == len(fill_ids) - 1`.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad sampling value, too long a prompt, ...). Fails that request alone."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and logprob options (SGLang's names). `validate()` names the offending field."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s): {sorted(unknown)}")
+        return cls(**d).validate()
+
+    def validate(self) -> "SamplingParams":
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise RequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {rule}")
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "logprob_start_len", "top_logprobs_num"):
+            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
+                 "must be an integer")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), name,
+                 "must be a finite number")
+        need(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
+        need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]")
+        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        need(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
+        need(self.top_logprobs_num >= 0, "top_logprobs_num", "must be >= 0")
+        need(self.logprob_start_len >= -1, "logprob_start_len", "must be >= -1")
+        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        need(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be a non-empty string or a list of them")
+        need(self.stop_token_ids is None or all(isinstance(t, int) for t in self.stop_token_ids),
+             "stop_token_ids", "must be a list of integers")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+_req_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler sees it."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: int = field(default_factory=lambda: next(_req_ids))
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (see module docstring). `row` is the slot-table row, -1 when not resident.
+    row: int = -1
+    kv_len: int = 0
+    cache_protected_len: int = 0  # prefix of the row whose slots belong to the radix tree
+    last_node: Any = None  # radix node locked by this request (pins its path)
+    # Prefix-match result, refreshed by the scheduler before admission.
+    prefix_slots: Any = None
+    match_node: Any = None
+    cached_tokens: int = 0  # tokens served from the cache that this request had not computed itself
+    computed_tokens: int = 0  # high-water mark of tokens this request prefilled/decoded itself
+    extend_len: int = 0  # tokens this request computes in the current forward
+    forward_passes: int = 0
+    # Output side.
+    finished: bool = False
+    finish_reason: dict | None = None
+    error: str | None = None
+    text: str = ""
+    decoded_len: int = 0  # output ids already folded into `text` (incremental detokenization)
+    input_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    generator: Any = None  # per-request torch.Generator when a seed is given
+    on_finish: Any = None  # callback(req) from the engine front door
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def logprob_start(self) -> int:
+        """First prompt position whose logprob is returned (SGLang: -1 means only the output)."""
+        p = self.params
+        if not p.return_logprob or p.logprob_start_len < 0:
+            return len(self.input_ids)
+        return min(p.logprob_start_len, len(self.input_ids))
+
+    def meta_info(self) -> dict:
+        meta = {
+            "id": str(self.rid),
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "forward_passes": self.forward_passes,
+        }
+        if self.params.return_logprob:
+            meta["input_token_logprobs"] = self.input_logprobs
+            meta["output_token_logprobs"] = self.output_logprobs
+            if self.params.top_logprobs_num:
+                meta["input_top_logprobs"] = self.input_top_logprobs
+                meta["output_top_logprobs"] = self.output_top_logprobs
+        return meta
+
+    def result(self) -> dict:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

@@ -1,0 +1,230 @@
+"""Engine: the in-process runtime. Any number of threads or asyncio tasks submit requests; one scheduler thread
+batches everything in flight (continuous batching) and resolves each request's future when it finishes.
+
+    engine = Engine()                                   # the embedded SmolLM2-135M-Instruct
+    engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    engine.generate(["a", "b"], [{"max_new_tokens": 4}, {"max_new_tokens": 2}])
+    await engine.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0}, return_logprob=True)
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import torch
+
+from .core import Req, RequestError, SamplingParams
+from .model.loader import resolve
+from .runner import ModelRunner
+from .scheduler import Scheduler, SchedulerConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never wait on a hub: a missing file fails fast
+
+_CPU_DEFAULT_TOKENS = 65536
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2-135m-instruct", *, device: str = "auto", dtype: str = "auto",
+                 attention_backend: str = "auto", max_total_tokens: int | None = None,
+                 max_running_requests: int = 256, max_prefill_tokens: int = 16384,
+                 chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
+                 disable_radix_cache: bool = False, context_length: int | None = None,
+                 mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
+                 weights=None):
+        """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
+        the model's own (used to put one set of weights into lmc and a reference model)."""
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
+              "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        src = resolve(model)
+        self.model_name = src.name
+        self.tokenizer = None
+        if src.tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+        hf = src.hf_config
+        ctx = min(context_length or hf.max_position_embeddings, hf.max_position_embeddings)
+        if max_total_tokens is None:
+            max_total_tokens = _CPU_DEFAULT_TOKENS if dev.type == "cpu" else None
+        self.runner = ModelRunner(
+            hf, weights or src.weights, device=dev, dtype=dt, attention=attention_backend,
+            max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
+            seed=seed, mem_fraction=mem_fraction_static)
+        self.context_length = ctx
+        self.max_total_tokens = self.runner.allocator.num_slots
+        chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)
+        self.scheduler = Scheduler(
+            self.runner, SchedulerConfig(policy=schedule_policy, max_running=max_running_requests,
+                                         max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk),
+            disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed)
+        self.check_invariants = check_invariants
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._flushes: list[Future] = []
+        self._futures: dict[Req, Future] = {}
+        self.busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="lmc-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- submission ----------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
+                     input_ids: Sequence[int] | None = None, **logprob_opts) -> Req:
+        """Validate and tokenize in the caller's thread; raises RequestError naming the problem."""
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else \
+            SamplingParams.from_dict({**(sampling_params or {}), **{k: v for k, v in logprob_opts.items()
+                                                                    if v is not None}})
+        params.validate()
+        if input_ids is None:
+            if prompt is None:
+                raise RequestError("a request needs a prompt (text) or input_ids")
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.model_name!r} has no tokenizer: pass input_ids")
+            input_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"input_ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.context_length:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context length is "
+                               f"{self.context_length}; shorten it")
+        if len(ids) >= self.max_total_tokens:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
+        req = Req(ids, params)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        return req
+
+    def submit(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> Future:
+        fut: Future = Future()
+        try:
+            req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
+        except RequestError as e:
+            fut.set_exception(e)
+            return fut
+        self._inbox.put(("req", (req, fut)))
+        return fut
+
+    def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts) -> tuple[list[Future], bool]:
+        single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], (list, tuple))))
+        items = [prompt] if single and input_ids is None else (prompt if input_ids is None else None)
+        ids = [input_ids] if single and input_ids is not None else input_ids
+        n = len(items) if items is not None else len(ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise RequestError(f"{n} prompts but {len(params)} sampling_params")
+        futs = [self.submit(items[i] if items is not None else None, params[i],
+                            ids[i] if ids is not None else None, **logprob_opts) for i in range(n)]
+        return futs, single
+
+    @staticmethod
+    def _collect(results: list, single: bool):
+        if single:
+            if isinstance(results[0], BaseException):
+                raise results[0]
+            return results[0]
+        return [r if not isinstance(r, BaseException) else
+                {"text": "", "output_ids": [], "error": str(r),
+                 "meta_info": {"finish_reason": {"type": "abort", "message": str(r)}}} for r in results]
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | None = None,
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None):
+        """SGLang's Engine.generate: one prompt -> one result dict, a list -> a list. In a batch, a request that
+        fails gets a result with `error` and an abort finish reason; the others are unaffected."""
+        opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num)
+        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
+        results = []
+        for f in futs:
+            try:
+                results.append(f.result())
+            except Exception as e:
+                results.append(e)
+        return self._collect(results, single)
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=None,
+                             logprob_start_len=None, top_logprobs_num=None):
+        opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num)
+        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+        return self._collect(list(results), single)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache once the engine is idle. Returns True when done."""
+        fut: Future = Future()
+        self._inbox.put(("flush", fut))
+        return fut.result()
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {**s.stats, "busy_seconds": self.busy_seconds, "waiting": len(s.waiting), "running": len(s.running),
+                "free_slots": self.runner.allocator.available, "cached_slots": s.cache.total_size,
+                "total_slots": self.max_total_tokens}
+
+    # ---- scheduler thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                item = self._inbox.get(block=not sched.has_work)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                kind, payload = item
+                if kind == "stop":
+                    self._fail_all(RuntimeError("the engine was shut down"))
+                    return
+                if kind == "req":
+                    req, fut = payload
+                    self._futures[req] = fut
+                    sched.add(req)
+                elif kind == "flush":
+                    self._flushes.append(payload)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if sched.has_work:
+                t0 = time.perf_counter()
+                try:
+                    progressed = sched.step()
+                    if self.check_invariants:
+                        sched.check_invariants()
+                except Exception as e:  # a bug must fail the requests in flight, not hang their callers
+                    self._fail_all(e)
+                    continue
+                finally:
+                    self.busy_seconds += time.perf_counter() - t0
+                for r in progressed:
+                    if r.finished:
+                        self._futures.pop(r).set_result(r.result())
+            if not sched.has_work and self._flushes:
+                ok = sched.flush_cache()
+                for f in self._flushes:
+                    f.set_result(ok)
+                self._flushes = []
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for req, fut in self._futures.items():
+            fut.set_exception(exc)
+        self._futures.clear()
+        self.scheduler.reset()

@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral; Qwen2 through q/k/v bias) over the slot-indexed KV cache.
+
+The forward takes a flat batch: all tokens of all requests in one [T] vector, with positions and the KV slots
+their keys and values are written to. Attention goes through a backend that reads earlier tokens by slot.
+Numerics follow transformers' LlamaForCausalLM (fp32 RMSNorm, rotate-half RoPE, fp32 softmax) so that greedy
+tokens and logprobs match it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf) -> "ModelConfig":
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        eos = hf.eos_token_id if isinstance(hf.eos_token_id, list) else [hf.eos_token_id]
+        return cls(
+            hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, head_dim=head_dim,
+            intermediate_size=hf.intermediate_size, vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps,
+            max_position=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(hf, "attention_bias", False) or hf.model_type == "qwen2"),
+            eos_token_ids=tuple(t for t in eos if t is not None),
+        )
+
+
+def rope_cos_sin(hf_config, max_position: int, device, dtype) -> torch.Tensor:
+    """cos/sin table [max_position, head_dim] x2, from transformers' own RoPE initialisation (all rope types)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(hf_config)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * rope.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = rope.attention_scaling
+    return torch.stack([emb.cos() * scale, emb.sin() * scale]).to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D] (rotate-half convention, as in transformers)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # q, k and v in one GEMM: one weight read per step instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = apply_rope(q.view(-1, self.nq, self.hd), ctx.cos, ctx.sin)
+        k = apply_rope(k.view(-1, self.nkv, self.hd), ctx.cos, ctx.sin)
+        v = v.view(-1, self.nkv, self.hd)
+        ctx.kv_cache.write(self.layer_id, ctx.out_slots, k, v)
+        o = ctx.attn.forward(q, self.layer_id, ctx)
+        return self.o_proj(o.reshape(-1, self.nq * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # transformers' separate projections -> our fused parameter, and the shard's index within it.
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """Returns logits (fp32) for the token positions in `ctx.logits_index` only."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        h = self.norm(h[ctx.logits_index])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load transformers-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). Every parameter must
+        be covered, so a wrong checkpoint fails here rather than producing garbage."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            parts = name.split(".")
+            target, shard = name, None
+            for i, part in enumerate(parts):
+                if part in self._FUSED:
+                    fused, shard = self._FUSED[part]
+                    target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                sizes = self._shard_sizes(target.split(".")[-2])
+                param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            fused = pname.split(".")[-2]
+            n = len(self._shard_sizes(fused)) if fused in ("qkv_proj", "gate_up_proj") else 0
+            expected |= {f"{pname}#{s}" for s in range(n)} if n else {f"{pname}#None"}
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")

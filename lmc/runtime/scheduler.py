@@ -1,0 +1,397 @@
+"""Scheduler: continuous batching over the radix cache (SGLang's policies, one forward per `step()`).
+
+Each step runs a prefill batch if any request can be admitted (prefill first), else one decode step for every
+running request. Admission orders the waiting queue by the policy (`lpm` by default, kept on under any load:
+matching is a few C-level slice compares per tree edge), skips requests whose prefix another request in the same
+batch is about to compute (in-batch prefix dedup), and stops at a budget: free + evictable KV slots minus what the
+running requests are expected to still need (`new_token_ratio` x their remaining tokens, a ratio that decays while
+memory holds and resets after a retraction). At most one request is prefilled in chunks at a time. When decode
+runs out of KV, the least-progressed request is retracted: its KV goes into the radix tree, it returns to the
+queue, and later resumes from whatever part of its KV is still cached, with the same result.
+
+Slot accounting invariant (checked by `check_invariants()` after every step in tests): every KV slot is exactly
+one of free, owned by the radix tree (evictable or protected), or owned by a resident request (row positions
+`[cache_protected_len, kv_len)`).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .core import Req
+from .radix_cache import RadixCache
+from .runner import ModelRunner, ScheduledBatch, StepOutput
+
+CLIP_NEW_TOKENS = 4096  # cap on the per-request output estimate used by admission (SGLang's constant)
+IN_BATCH_CHECK = 32  # requests matching at most this many cached tokens are checked against the batch...
+IN_BATCH_DEPRIORITIZE = 32  # ...and wait a step if a request admitted earlier carries >= this many of their tokens
+POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "lpm"
+    max_running: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    retract_reserve_steps: int = 20
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, *, disable_radix_cache: bool = False,
+                 tokenizer=None, seed: int = 0):
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {cfg.policy!r}; choose one of {POLICIES}")
+        self.runner, self.cfg, self.tokenizer = runner, cfg, tokenizer
+        self.table = runner.req_pool.table
+        self.disable_radix_cache = disable_radix_cache
+        self._rng = random.Random(seed)
+        self.reset()
+        self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
+                      "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0}
+
+    def reset(self) -> None:
+        """Forget every request and cached prefix and rebuild the pools (after a failure in a step)."""
+        self.runner.reset_memory()
+        self.allocator = self.runner.allocator
+        self.cache = RadixCache(self.allocator.free, disabled=self.disable_radix_cache)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    # ---- front ---------------------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Only when idle (as SGLang): cached slots may be in use otherwise."""
+        if self.has_work:
+            return False
+        self.cache.evict(self.cache.total_size)
+        self.cache.reset()
+        return True
+
+    def step(self) -> list[Req]:
+        """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`)."""
+        sb = self._schedule_prefill() or self._schedule_decode()
+        if sb is None:
+            return []
+        out = self.runner.run(sb)
+        self.stats["forwards"] += 1
+        self.stats["decode_forwards" if sb.is_decode else "prefill_forwards"] += 1
+        return self._process(sb, out)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if self.chunked is None and not self.waiting:
+            return None
+        t0 = time.perf_counter()
+        for r in self.waiting:
+            self._match(r)
+        order = self._order()
+        self.stats["cache_seconds"] += time.perf_counter() - t0
+        reqs, prefix_lens, extend_lens, slots = [], [], [], []
+        rem_input, rem_chunk = self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size
+        reserved = sum(self._est_new(r) for r in self.running) * self.new_token_ratio
+
+        def take(r: Req, ext: int) -> None:
+            nonlocal rem_input, rem_chunk, reserved
+            reqs.append(r)
+            prefix_lens.append(r.kv_len)
+            extend_lens.append(ext)
+            slots.append(self._alloc_into(r, ext))
+            rem_input -= ext
+            rem_chunk -= ext
+            if r.kv_len + ext == len(r.fill_ids):
+                reserved += self._est_new(r)
+
+        if self.chunked is not None:  # the in-flight chunked request continues first
+            r = self.chunked
+            ext = min(len(r.fill_ids) - r.kv_len, rem_chunk, self.allocator.available + self.cache.evictable_size)
+            if ext > 0:
+                take(r, ext)
+        sim = RadixCache() if self.cfg.policy in ("lpm", "dfs-weight") else None
+        admitted: set[Req] = set()
+        for r in order:
+            if len(self.running) + len(reqs) >= self.cfg.max_running or self.runner.req_pool.available == 0:
+                break
+            if rem_chunk <= 0 or (reqs and rem_input <= 0):
+                break
+            matched = len(r.prefix_slots)
+            if sim is not None and matched <= IN_BATCH_CHECK:
+                in_batch, _ = sim.match(r.fill_ids)
+                if reqs and len(in_batch) >= IN_BATCH_DEPRIORITIZE:
+                    continue  # a request in this batch computes this prefix; share it next step
+            ext = len(r.fill_ids) - matched
+            chunk = ext > rem_chunk
+            if chunk and self.chunked is not None:
+                break  # one chunked request at a time
+            ext = min(ext, rem_chunk)
+            if not self._make_resident(r, ext, 0 if chunk else self._est_new(r), reserved,
+                                       idle=not reqs and not self.running):
+                break
+            if chunk:
+                self.chunked = r
+            admitted.add(r)
+            if sim is not None:
+                sim.insert(r.fill_ids, torch.zeros(len(r.fill_ids), dtype=torch.int64))
+            take(r, ext)
+        if admitted:
+            self.waiting = [r for r in self.waiting if r not in admitted]
+        if not reqs:
+            return None
+        return ScheduledBatch(reqs, False, prefix_lens, extend_lens, torch.cat(slots),
+                              [p + e == len(r.fill_ids) and r.params.max_new_tokens > 0
+                               for r, p, e in zip(reqs, prefix_lens, extend_lens)])
+
+    def _est_new(self, r: Req) -> int:
+        return min(r.params.max_new_tokens - len(r.output_ids), CLIP_NEW_TOKENS)
+
+    def _match(self, r: Req) -> None:
+        """Longest cached prefix usable by `r`: at least one token is always recomputed (its logits are needed),
+        and when prompt logprobs are asked for, their positions are recomputed too."""
+        limit = len(r.fill_ids) - 1
+        if r.computed_tokens == 0 and r.params.return_logprob:
+            limit = min(limit, max(r.logprob_start - 1, 0))
+        r.prefix_slots, r.match_node = self.cache.match(r.fill_ids[:limit])
+
+    def _make_resident(self, r: Req, ext: int, est_new: int, reserved: float, idle: bool) -> bool:
+        """Give `r` a row and lock its cached prefix if its `ext` new tokens plus `est_new` expected outputs fit
+        the budget. On an idle engine the first request only needs its tokens to fit at all."""
+        self.cache.lock(r.match_node)
+        room = self.allocator.available + self.cache.evictable_size
+        if (idle and ext <= room) or ext + est_new <= room - reserved:
+            row = self.runner.req_pool.alloc()
+            if row is not None:
+                p = len(r.prefix_slots)
+                self.table[row, :p] = r.prefix_slots.to(self.table.device, torch.int32)
+                r.row, r.last_node, r.cache_protected_len, r.kv_len = row, r.match_node, p, p
+                fresh = max(0, p - r.computed_tokens)  # tokens r did not compute itself earlier
+                r.cached_tokens += fresh
+                self.stats["cached_tokens"] += fresh
+                self.stats["prompt_tokens"] += len(r.input_ids) if r.computed_tokens == 0 else 0
+                return True
+        self.cache.unlock(r.match_node)
+        return False
+
+    def _alloc_into(self, r: Req, n: int) -> torch.Tensor:
+        """Allocate n slots (evicting cached prefixes if needed) for r's next n positions."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            t0 = time.perf_counter()
+            self.cache.evict(n - self.allocator.available)
+            self.stats["cache_seconds"] += time.perf_counter() - t0
+            slots = self.allocator.alloc(n)
+        assert slots is not None, "admission budget admitted more than fits"
+        self.table[r.row, r.kv_len:r.kv_len + n] = slots.to(self.table.device, torch.int32)
+        return slots
+
+    def _order(self) -> list[Req]:
+        policy, q = self.cfg.policy, self.waiting
+        if self.cache.disabled or policy == "fcfs":
+            return list(q)
+        if policy == "random":
+            q = list(q)
+            self._rng.shuffle(q)
+            return q
+        if policy == "lpm":
+            return sorted(q, key=lambda r: -len(r.prefix_slots))
+        # dfs-weight: visit the tree heaviest subtree first, so requests sharing a subtree stay adjacent.
+        at_node: dict = {}
+        for r in q:
+            at_node.setdefault(r.match_node, []).append(r)
+        weight: dict = {}
+        for node, rs in at_node.items():
+            while node is not None:
+                weight[node] = weight.get(node, 0) + len(rs)
+                node = node.parent
+        out: list[Req] = []
+        stack = [(self.cache.root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(at_node.get(node, ()))
+                continue
+            stack.append((node, True))
+            kids = sorted((c for c in node.children.values() if c in weight), key=lambda c: weight[c])
+            stack.extend((c, False) for c in kids)  # heaviest pushed last, visited first
+        return out
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self.running:
+            return None
+        short = len(self.running) - self.allocator.available
+        if short > 0:
+            t0 = time.perf_counter()
+            self.cache.evict(short)
+            self.stats["cache_seconds"] += time.perf_counter() - t0
+        retracted = False
+        while self.allocator.available < len(self.running):
+            if len(self.running) == 1:
+                self._finish(self.running[0], {"type": "abort", "message": "out of KV cache memory: the request "
+                             "does not fit the KV pool (raise max_total_tokens)"})
+                return None
+            self._retract()
+            retracted = True
+        if retracted:
+            done = sum(len(r.output_ids) for r in self.running)
+            total = sum(r.params.max_new_tokens for r in self.running) or 1
+            self.new_token_ratio = min(1.0, (done + self.cfg.retract_reserve_steps * len(self.running)) / total)
+        else:
+            decay = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio) / self.cfg.new_token_ratio_decay_steps
+            self.new_token_ratio = max(self.new_token_ratio - decay, self.cfg.min_new_token_ratio)
+        reqs = list(self.running)
+        slots = torch.cat([self._alloc_into(r, 1) for r in reqs])
+        return ScheduledBatch(reqs, True, [r.kv_len for r in reqs], [1] * len(reqs), slots, [True] * len(reqs))
+
+    def _retract(self) -> None:
+        """Send the least-progressed request back to the queue (fewest outputs; longest prompt first among
+        equals): least work lost. Its KV is kept in the tree, so resuming recomputes only what was evicted."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.insert(0, victim)
+        self.stats["retractions"] += 1
+        short = len(self.running) - self.allocator.available
+        if short > 0:
+            self.cache.evict(short)
+
+    # ---- after the forward ---------------------------------------------------------------------------------
+    def _process(self, sb: ScheduledBatch, out: StepOutput) -> list[Req]:
+        progressed = []
+        for r, ext, nid, olp, ilp in zip(sb.reqs, sb.extend_lens, out.next_ids, out.out_logprobs, out.in_logprobs):
+            if r.kv_len == 0 and r.params.return_logprob and r.logprob_start == 0:
+                r.input_logprobs.append((None, r.input_ids[0], None))
+                r.input_top_logprobs.append(None)
+            r.kv_len += ext
+            r.computed_tokens = max(r.computed_tokens, r.kv_len)
+            r.forward_passes += 1
+            self.stats["computed_tokens"] += ext
+            for pos, lp, top in ilp:
+                r.input_logprobs.append((lp, r.input_ids[pos], None))
+                r.input_top_logprobs.append(top)
+            if nid is None:
+                if r.kv_len < len(r.fill_ids):  # a non-final chunk: share what it has so far
+                    self._cache_unfinished(r)
+                else:  # max_new_tokens == 0: prefill only
+                    if r is self.chunked:
+                        self.chunked = None
+                    self._finish(r, {"type": "length", "length": 0})
+                    progressed.append(r)
+                continue
+            if r is self.chunked:
+                self.chunked = None
+            r.output_ids.append(nid)
+            if olp is not None:
+                r.output_logprobs.append((olp[0], nid, None))
+                r.output_top_logprobs.append(olp[1])
+            reason = self._finish_reason(r, nid)
+            if reason is not None:
+                self._finish(r, reason)
+            elif not sb.is_decode:
+                self._cache_unfinished(r)
+                self.running.append(r)
+            progressed.append(r)
+        return progressed
+
+    def _finish_reason(self, r: Req, tok: int) -> dict | None:
+        p, n = r.params, len(r.output_ids)
+        if n >= p.min_new_tokens:
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                return {"type": "stop", "matched": tok}
+            if not p.ignore_eos and tok in self.runner.cfg.eos_token_ids:
+                return {"type": "stop", "matched": tok}
+            if p.stop and self.tokenizer is not None:
+                window = max(len(s) for s in p.stop) + 2  # tokens: each covers at least one character
+                tail = self.tokenizer.decode(r.output_ids[-window:], skip_special_tokens=True)
+                hit = [s for s in p.stop if s in tail]
+                if hit:
+                    return {"type": "stop", "matched": hit[0]}
+        if n >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if r.seq_len >= self.runner.context_length:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, r: Req, reason: dict) -> None:
+        r.finished, r.finish_reason = True, reason
+        if r in self.running:
+            self.running.remove(r)
+        self._release(r)
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+                text = text[:text.find(reason["matched"])]
+            r.text = text
+
+    # ---- radix-cache hooks ---------------------------------------------------------------------------------
+    def _release(self, r: Req) -> None:
+        """Hand r's KV to the tree (duplicates of what the tree already holds are freed), unlock, free the row."""
+        if r.row < 0:
+            return
+        t0 = time.perf_counter()
+        slots = self.table[r.row, :r.kv_len].to("cpu", torch.int64)
+        if self.cache.disabled:
+            self.allocator.free(slots)
+        else:
+            already = self.cache.insert(r.fill_ids[:r.kv_len], slots)
+            self.allocator.free(slots[r.cache_protected_len:already])
+            self.cache.unlock(r.last_node)
+        self.runner.req_pool.free(r.row)
+        r.row, r.kv_len, r.cache_protected_len, r.last_node = -1, 0, 0, None
+        self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    def _cache_unfinished(self, r: Req) -> None:
+        """Insert r's computed tokens into the tree while it keeps running (so requests queued behind it can
+        share them), adopt the tree's slots for positions it already held, and move r's lock to the new node."""
+        if self.cache.disabled:
+            return
+        t0 = time.perf_counter()
+        key = r.fill_ids[:r.kv_len]
+        slots = self.table[r.row, :r.kv_len].to("cpu", torch.int64)
+        already = self.cache.insert(key, slots)
+        protected = r.cache_protected_len
+        if already > protected:
+            self.allocator.free(slots[protected:already])
+        canonical, node = self.cache.match(key)
+        if already > protected:
+            self.table[r.row, protected:already] = canonical[protected:already].to(self.table.device, torch.int32)
+        self.cache.lock(node)
+        self.cache.unlock(r.last_node)
+        r.last_node, r.cache_protected_len = node, r.kv_len
+        self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    # ---- invariants ----------------------------------------------------------------------------------------
+    def resident(self) -> list[Req]:
+        extra = [self.chunked] if self.chunked is not None and self.chunked not in self.running else []
+        return self.running + extra
+
+    def check_invariants(self) -> None:
+        """Every slot is exactly one of: free, in the tree, owned by a resident request."""
+        self.cache.check()
+        owned = [self.table[r.row, r.cache_protected_len:r.kv_len].to("cpu", torch.int64) for r in self.resident()]
+        free = self.allocator.free_slots()
+        parts = [free, self.cache.slots(), *owned]
+        every = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        total = self.allocator.num_slots
+        assert len(free) + self.cache.total_size + sum(map(len, owned)) == total, "slot accounting drifted"
+        assert len(every) == total and torch.equal(every.sort().values, torch.arange(1, total + 1)), \
+            "a slot is lost or owned twice"
+        for r in self.resident():
+            assert r.row >= 0 and r.last_node is not None
+            if not self.cache.disabled:
+                tree_slots = self.cache.peek(r.fill_ids[:r.cache_protected_len])
+                row = self.table[r.row, :r.cache_protected_len].to("cpu", torch.int64)
+                assert torch.equal(tree_slots, row), "a request's shared prefix disagrees with the tree"
