@@ -3,23 +3,14 @@ import os
 # Must be set before triton is imported: runs the kernels on CPU through numpy.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-try:
-    from lmc.runtime.attention import triton_kernels as tk
-except ImportError:
-    # The package skeleton is being written in parallel; load the module directly.
-    _path = Path(__file__).resolve().parents[1] / "lmc/runtime/attention/triton_kernels.py"
-    _spec = importlib.util.spec_from_file_location("lmc_triton_kernels", _path)
-    tk = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(tk)
+from lmc.runtime.attention import triton_kernels as tk  # noqa: E402
 
 
 def make_pool(seq_lens, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
@@ -77,16 +68,17 @@ def assert_close(out, ref, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-# Lengths straddle the extend block sizes (BLOCK_M=128, BLOCK_N=64): a prefix of
-# 0, an extend of 1, more than one query block, and prefixes spanning whole
-# unmasked key blocks.
+# Lengths straddle the extend tiles, which depend on fp32 row width (64x64 for
+# D=32, 128x128 for D=64, 64x32 for D=96/128): a prefix of 0, an extend of 1,
+# more than one query block, and prefixes spanning whole unmasked key blocks.
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,prefix_lens,extend_lens",
     [
-        (4, 2, 64, [0, 70, 5], [130, 1, 20]),
+        (4, 2, 64, [0, 150, 5], [130, 1, 20]),
         (4, 2, 128, [200, 0, 64], [3, 17, 65]),
         (4, 1, 96, [1, 130], [64, 7]),  # MQA, D not a power of two
         (2, 2, 64, [0], [1]),  # MHA, single token
+        (2, 1, 32, [0, 100], [70, 3]),
     ],
 )
 def test_extend_attention(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens):
@@ -122,8 +114,8 @@ def run_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32,
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("max_seq_len", [None, 200])
 def test_decode_attention(head_dim, max_seq_len):
-    # With max_seq_len=200 there are 2 splits, leaving request 0's second split
-    # empty; with None the split count comes from the table width.
+    # With max_seq_len=200 there are 2 or 4 splits (by key block size), some of
+    # them empty for the short requests; with None the table width decides.
     run_decode([1, 37, 200], num_heads=4, num_kv_heads=2, head_dim=head_dim, max_seq_len=max_seq_len)
 
 

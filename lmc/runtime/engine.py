@@ -217,6 +217,8 @@ class Engine:
                 for r in progressed:
                     if r.finished:
                         self._futures.pop(r).set_result(r.result())
+                if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
+                    self._fail_all(RuntimeError(f"{len(self._futures)} request(s) left the scheduler unfinished"))
             if not sched.has_work and self._flushes:
                 ok = sched.flush_cache()
                 for f in self._flushes:

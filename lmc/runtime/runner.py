@@ -69,8 +69,14 @@ class ModelRunner:
         self.req_pool.reset()
         self.allocator = SlotAllocator(self.allocator.num_slots)
 
-    @torch.inference_mode()
     def run(self, sb: ScheduledBatch) -> StepOutput:
+        logits, prompt_rows = self.forward(sb)
+        return self._postprocess(sb, logits, prompt_rows)
+
+    @torch.inference_mode()
+    def forward(self, sb: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+        """Raw fp32 logits for, per request in order, its prompt-logprob positions then (if it samples) its last
+        position; and, per request, the logits rows of its prompt positions."""
         reqs, dev = sb.reqs, self.device
         ids, positions, logit_pos, starts = [], [], [], []
         prompt_rows: list[list[int]] = []  # per request: row numbers in the logits of its prompt positions
@@ -100,9 +106,9 @@ class ModelRunner:
             cos=self.cos_sin[0][pos_t], sin=self.cos_sin[1][pos_t], kv_cache=self.kv,
             req_to_token=self.req_pool.table, attn=self.attn)
         self.attn.prepare(batch)
-        logits = self.model(torch.tensor(ids).to(**to), batch)
-        return self._postprocess(sb, logits, prompt_rows)
+        return self.model(torch.tensor(ids).to(**to), batch), prompt_rows
 
+    @torch.inference_mode()
     def _postprocess(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]]) -> StepOutput:
         out = StepOutput()
         sample_rows = [i for i, s in enumerate(sb.sample) if s]

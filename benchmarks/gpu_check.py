@@ -1,0 +1,215 @@
+"""lmc vs transformers on one GPU with a dummy-shaped model (default llama-2-7b, bf16), in one run:
+
+1. correctness: transformers' own seeded initialisation, the same weights loaded into lmc; logits of a prefill
+   and of 16 teacher-forced decode steps for 8 prompts, as relative error ||lmc - hf|| / ||hf||;
+2. decode tok/s at batch 1 and 32 against transformers and the weight-read floor;
+3. the few-shot workload: 128 programs, a 1,200-token shared prefix, 60 unique tokens, 8 generated.
+
+    python benchmarks/gpu_check.py --out results.json                 # on the H200
+    python benchmarks/gpu_check.py --smoke                            # CPU, tiny shape: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lmc.runtime import Engine, SamplingParams  # noqa: E402
+from lmc.runtime.core import Req  # noqa: E402
+from lmc.runtime.model.loader import resolve  # noqa: E402
+from lmc.runtime.runner import ScheduledBatch  # noqa: E402
+
+COPY_BW = 4.21e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN 8)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str):
+    from transformers import LlamaForCausalLM
+
+    cfg = resolve(f"dummy:{shape}").hf_config
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = LlamaForCausalLM(cfg)  # transformers' own initialisation
+    hf = hf.to(dtype).eval()
+    eng = Engine(f"dummy:{shape}", device=str(dev), dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
+                 weights=lambda: hf.state_dict().items(), max_total_tokens=kv_tokens, attention_backend=attention)
+    return cfg, hf, eng
+
+
+@torch.inference_mode()
+def lmc_logits(eng, seqs, lens, steps, dev):
+    """Drive the runner directly (the engine is idle): one extend batch, then `steps - 1` decode batches whose
+    input tokens are forced, so both models see the same sequence whatever they would have sampled.
+    Returns [steps][n_prompts, vocab]."""
+    runner, n = eng.runner, len(seqs)
+    reqs = [Req(s, SamplingParams(max_new_tokens=1)) for s in seqs]
+    for r in reqs:
+        r.row = runner.req_pool.alloc()
+    slots = []
+    for r, k in zip(reqs, lens):
+        s = runner.allocator.alloc(k)
+        runner.req_pool.table[r.row, :k] = s.to(dev, torch.int32)
+        slots.append(s)
+    out = [runner.forward(ScheduledBatch(reqs, False, [0] * n, lens, torch.cat(slots), [True] * n))[0]]
+    kv = list(lens)
+    for _ in range(steps - 1):
+        s = runner.allocator.alloc(n)
+        for r, k, slot in zip(reqs, kv, s):
+            runner.req_pool.table[r.row, k] = int(slot)
+        out.append(runner.forward(ScheduledBatch(reqs, True, kv, [1] * n, s, [True] * n))[0])
+        kv = [k + 1 for k in kv]
+    eng.scheduler.reset()
+    return out
+
+
+def rel_err(a_steps, b_steps):
+    """a, b: [steps][n_prompts, vocab] -> max/mean of ||a - b|| / ||b|| for the prefill step and decode steps."""
+    errs = {"prefill": [], "decode": []}
+    for t, (a, b) in enumerate(zip(a_steps, b_steps)):
+        e = ((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)).tolist()
+        errs["prefill" if t == 0 else "decode"].extend(e)
+    return {k: {"max": max(v), "mean": sum(v) / len(v)} for k, v in errs.items()}
+
+
+@torch.inference_mode()
+def check_logits(hf, eng, vocab, dev, n_prompts=8, steps=16):
+    """lmc (Triton and torch attention) against transformers in the same dtype, and both against transformers in
+    fp32 on the same weights: the last line is the dtype's own noise floor."""
+    import copy
+
+    from lmc.runtime.attention import make_backend
+
+    g = torch.Generator().manual_seed(1)
+    lens = [int(x) for x in torch.randint(16, 96, (n_prompts,), generator=g)]
+    seqs = [torch.randint(3, vocab, (k + steps,), generator=g).tolist() for k in lens]
+
+    def hf_logits(model):
+        per_prompt = [model(torch.tensor([s[:k + steps - 1]], device=dev)).logits[0, k - 1:].float()
+                      for s, k in zip(seqs, lens)]
+        return [torch.stack([p[t] for p in per_prompt]) for t in range(steps)]
+
+    ref = hf_logits(hf)
+    res = {"lmc_vs_hf": rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)}
+    if dev.type == "cuda":
+        own = eng.runner.attn
+        eng.runner.attn = make_backend("torch", dev)
+        res["lmc_torch_attention_vs_hf"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)
+        eng.runner.attn = own
+        hf32 = copy.deepcopy(hf).float()
+        ref32 = hf_logits(hf32)
+        del hf32
+        res["lmc_vs_hf_fp32"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref32)
+        res["hf_vs_hf_fp32"] = rel_err(ref, ref32)
+    return res
+
+
+def time_call(fn, dev):
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def decode_speed(hf, eng, cfg, vocab, dev, batch, prompt_len, new):
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, vocab, (batch, prompt_len), generator=g)
+    ids = prompts.tolist()
+
+    def lmc(n):
+        eng.flush_cache()
+        return time_call(lambda: eng.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0,
+                                                                              "ignore_eos": True}), dev)
+
+    def hf_gen(n):
+        x = prompts.to(dev)
+        return time_call(lambda: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                             min_new_tokens=n, do_sample=False, pad_token_id=0), dev)
+
+    lmc(2)  # warm-up (kernel compilation)
+    lmc_step = (lmc(new + 1) - lmc(1)) / new
+    hf_gen(2)
+    hf_step = (hf_gen(new + 1) - hf_gen(1)) / new
+    p = sum(x.numel() for x in hf.parameters()) - cfg.vocab_size * cfg.hidden_size  # all but the embedding
+    kv_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    floor = (p * 2 + batch * (prompt_len + new // 2) * kv_tok) / COPY_BW
+    return {"batch": batch, "lmc_ms_per_step": lmc_step * 1e3, "hf_ms_per_step": hf_step * 1e3,
+            "floor_ms_per_step": floor * 1e3, "lmc_tok_s": batch / lmc_step, "hf_tok_s": batch / hf_step,
+            "lmc_vs_hf": hf_step / lmc_step, "lmc_over_floor": lmc_step / floor}
+
+
+@torch.inference_mode()
+def few_shot(hf, eng, vocab, dev, programs, prefix_len, unique, new, hf_chunk):
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, vocab, (prefix_len,), generator=g).tolist()
+    progs = [prefix + torch.randint(3, vocab, (unique,), generator=g).tolist() for _ in range(programs)]
+    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+    eng.generate(input_ids=progs[:4], sampling_params=params)  # warm-up
+    eng.flush_cache()
+    before = dict(eng.stats())
+    out = []
+    t = time_call(lambda: out.extend(eng.generate(input_ids=progs, sampling_params=params)), dev)
+    after = eng.stats()
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    first = len(progs[0])
+
+    def hf_all():
+        for i in range(0, programs, hf_chunk):
+            x = torch.tensor(progs[i:i + hf_chunk], device=dev)
+            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=0)
+
+    hf_t = time_call(hf_all, dev)
+    return {"programs": programs, "lmc_programs_s": programs / t, "hf_programs_s": programs / hf_t,
+            "lmc_vs_hf": hf_t / t, "cached_ratio_after_first": cached / max(1, prompt - first),
+            "prefill_forwards": after["prefill_forwards"] - before["prefill_forwards"],
+            "all_complete": all(len(r["output_ids"]) == new for r in out)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-2-7b")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, small sizes")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only-logits", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        dev, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
+        sizes = dict(decode=[(1, 16, 4), (4, 16, 4)], fs=(16, 120, 12, 4, 8), kv=8192)
+    else:
+        dev, dtype, shape = torch.device("cuda"), torch.bfloat16, args.shape
+        sizes = dict(decode=[(1, 512, 64), (32, 512, 64)], fs=(128, 1200, 60, 8, 32), kv=65536)
+    t0 = time.perf_counter()
+    cfg, hf, eng = build(shape, dev, dtype, sizes["kv"], args.attention)
+    res = {"shape": shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+           "dtype": str(dtype), "torch": torch.__version__, "build_s": time.perf_counter() - t0}
+    res["logits_rel_err"] = check_logits(hf, eng, cfg.vocab_size, dev)
+    print("logits", json.dumps(res["logits_rel_err"]), flush=True)
+    if args.only_logits:
+        sizes["decode"], sizes["fs"] = [], None
+    res["decode"] = [decode_speed(hf, eng, cfg, cfg.vocab_size, dev, *d) for d in sizes["decode"]]
+    for d in res["decode"]:
+        print("decode", json.dumps(d), flush=True)
+    if sizes["fs"]:
+        res["few_shot"] = few_shot(hf, eng, cfg.vocab_size, dev, *sizes["fs"])
+        print("few_shot", json.dumps(res["few_shot"]), flush=True)
+    eng.shutdown()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """One engine on the embedded model for the whole session, checking slot accounting after every step."""
+    from lmc.runtime import Engine
+
+    eng = Engine(MODEL, check_invariants=True)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own LlamaForCausalLM on the same (converted) weights: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from lmc.runtime.model.loader import resolve
+
+    path = resolve(MODEL).tokenizer_dir
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
