@@ -184,13 +184,15 @@ def main():
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only-logits", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-tokens", type=int, default=65536)
     args = ap.parse_args()
     if args.smoke:
         dev, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
         sizes = dict(decode=[(1, 16, 4), (4, 16, 4)], fs=(16, 120, 12, 4, 8), kv=8192)
     else:
-        dev, dtype, shape = torch.device("cuda"), torch.bfloat16, args.shape
-        sizes = dict(decode=[(1, 512, 64), (32, 512, 64)], fs=(128, 1200, 60, 8, 32), kv=65536)
+        dev, dtype, shape = torch.device("cuda"), getattr(torch, args.dtype), args.shape
+        sizes = dict(decode=[(1, 512, 64), (32, 512, 64)], fs=(128, 1200, 60, 8, 32), kv=args.kv_tokens)
     t0 = time.perf_counter()
     cfg, hf, eng = build(shape, dev, dtype, sizes["kv"], args.attention)
     res = {"shape": shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",

@@ -39,8 +39,11 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+_node_ids = itertools.count()
+
+
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
 
     def __init__(self, key: tuple = (), value: torch.Tensor = _EMPTY, parent: "Node | None" = None):
         self.children: dict[int, Node] = {}
@@ -49,9 +52,10 @@ class Node:
         self.value = value
         self.lock_ref = 0
         self.last_access = 0
+        self.id = next(_node_ids)  # tie-break: eviction order must not depend on memory addresses
 
     def __lt__(self, other: "Node") -> bool:
-        return self.last_access < other.last_access
+        return (self.last_access, self.id) < (other.last_access, other.id)
 
 
 class RadixCache:
@@ -86,14 +90,12 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            child.last_access = now
             n = common_prefix_len(child.key, key[pos:pos + len(child.key)])
             if n < len(child.key):
-                child = self._split(child, n)
+                child = self._split(child, n)  # the part below the match keeps its old access time
+            child.last_access = now
             values.append(child.value)
             node, pos = child, pos + n
-            if n < len(child.key):
-                break
         return (torch.cat(values) if values else _EMPTY), node
 
     def peek(self, key: Sequence[int]) -> torch.Tensor:
@@ -119,10 +121,10 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            child.last_access = now
             n = common_prefix_len(child.key, key[pos:pos + len(child.key)])
             if n < len(child.key):
                 child = self._split(child, n)
+            child.last_access = now
             node, pos = child, pos + n
         if pos < len(key):
             leaf = Node(key[pos:], value[pos:].clone(), parent=node)

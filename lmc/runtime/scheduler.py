@@ -129,6 +129,7 @@ class Scheduler:
                 break
             if rem_chunk <= 0 or (reqs and rem_input <= 0):
                 break
+            self._match(r)  # again: allocations for requests admitted before r may have evicted its old match
             matched = len(r.prefix_slots)
             if sim is not None and matched <= IN_BATCH_CHECK:
                 in_batch, _ = sim.match(r.fill_ids)
