@@ -32,7 +32,7 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str):
+def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str, graph_bs: int):
     from transformers import LlamaForCausalLM
 
     cfg = resolve(f"dummy:{shape}").hf_config
@@ -41,7 +41,8 @@ def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, att
         hf = LlamaForCausalLM(cfg)  # transformers' own initialisation
     hf = hf.to(dtype).eval()
     eng = Engine(f"dummy:{shape}", device=str(dev), dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
-                 weights=lambda: hf.state_dict().items(), max_total_tokens=kv_tokens, attention_backend=attention)
+                 weights=lambda: hf.state_dict().items(), max_total_tokens=kv_tokens, attention_backend=attention,
+                 cuda_graph_max_bs=graph_bs)
     return cfg, hf, eng
 
 
@@ -100,10 +101,12 @@ def check_logits(hf, eng, vocab, dev, n_prompts=8, steps=16):
     ref = hf_logits(hf)
     res = {"lmc_vs_hf": rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)}
     if dev.type == "cuda":
-        own = eng.runner.attn
+        own, graphs = eng.runner.attn, eng.runner.graphs
+        eng.runner.graphs = None
+        res["lmc_no_cuda_graph_vs_hf"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)
         eng.runner.attn = make_backend("torch", dev)
         res["lmc_torch_attention_vs_hf"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)
-        eng.runner.attn = own
+        eng.runner.attn, eng.runner.graphs = own, graphs
         hf32 = copy.deepcopy(hf).float()
         ref32 = hf_logits(hf32)
         del hf32
@@ -186,6 +189,7 @@ def main():
     ap.add_argument("--only-logits", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0: no CUDA graphs")
     args = ap.parse_args()
     if args.smoke:
         dev, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
@@ -194,9 +198,10 @@ def main():
         dev, dtype, shape = torch.device("cuda"), getattr(torch, args.dtype), args.shape
         sizes = dict(decode=[(1, 512, 64), (32, 512, 64)], fs=(128, 1200, 60, 8, 32), kv=args.kv_tokens)
     t0 = time.perf_counter()
-    cfg, hf, eng = build(shape, dev, dtype, sizes["kv"], args.attention)
+    cfg, hf, eng = build(shape, dev, dtype, sizes["kv"], args.attention, args.cuda_graph_max_bs)
     res = {"shape": shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "dtype": str(dtype), "torch": torch.__version__, "build_s": time.perf_counter() - t0}
+           "dtype": str(dtype), "torch": torch.__version__, "build_s": time.perf_counter() - t0,
+           "cuda_graphs": eng.runner.graphs is not None}
     res["logits_rel_err"] = check_logits(hf, eng, cfg.vocab_size, dev)
     print("logits", json.dumps(res["logits_rel_err"]), flush=True)
     if args.only_logits:

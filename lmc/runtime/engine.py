@@ -35,7 +35,7 @@ class Engine:
                  chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
-                 weights=None):
+                 cuda_graph_max_bs: int = 256, weights=None):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model)."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -55,7 +55,7 @@ class Engine:
         self.runner = ModelRunner(
             hf, weights or src.weights, device=dev, dtype=dt, attention=attention_backend,
             max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
-            seed=seed, mem_fraction=mem_fraction_static)
+            seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs)
         self.context_length = ctx
         self.max_total_tokens = self.runner.allocator.num_slots
         chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)

@@ -37,7 +37,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
-                 mem_fraction: float = 0.85):
+                 mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256):
         from .model.loader import fill_dummy
 
         self.cfg = ModelConfig.from_hf(hf_config)
@@ -51,7 +51,7 @@ class ModelRunner:
         else:
             model.load_weights(weights())
         self.model = model.eval()
-        self.cos_sin = rope_cos_sin(hf_config, context_length, device, dtype)
+        self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)
         c = self.cfg
         if not max_total_tokens:  # size the pool from what the device has left (GPU only)
@@ -61,12 +61,20 @@ class ModelRunner:
             if max_total_tokens < context_length:
                 raise RuntimeError(f"only {max_total_tokens} KV tokens fit on {device}; lower the context length")
         self.kv = KVCache(c.num_layers, max_total_tokens, c.num_kv_heads, c.head_dim, dtype, device)
-        self.req_pool = ReqToTokenPool(max_running + 1, context_length, device)
+        # One row more than can ever run: the last row stays all-zero (dummy slot 0) for CUDA-graph padding.
+        self.req_pool = ReqToTokenPool(max_running + 2, context_length, device)
+        self.dummy_row = self.req_pool.alloc()
         self.allocator = SlotAllocator(max_total_tokens)
+        self.graphs = None
+        if cuda_graph_max_bs and device.type == "cuda" and getattr(self.attn, "graph_safe", False):
+            from .cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
 
     def reset_memory(self) -> None:
         """Mark every row and slot free (KV contents are simply overwritten later)."""
         self.req_pool.reset()
+        self.dummy_row = self.req_pool.alloc()
         self.allocator = SlotAllocator(self.allocator.num_slots)
 
     def run(self, sb: ScheduledBatch) -> StepOutput:
@@ -94,17 +102,18 @@ class ModelRunner:
             prompt_rows.append(rows)
             if smp:
                 logit_pos.append(start + ext - 1)
+        seq_lens = [p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)]
+        rows = [r.row for r in reqs]
+        if sb.is_decode and self.graphs is not None and len(reqs) <= self.graphs.max_bs:
+            return self.graphs.replay(ids, positions, sb.out_slots, rows, seq_lens), prompt_rows
         to = dict(device=dev, non_blocking=True)
-        pos_t = torch.tensor(positions).to(**to)
         batch = ForwardBatch(
-            is_decode=sb.is_decode, rows=torch.tensor([r.row for r in reqs]).to(**to),
+            is_decode=sb.is_decode, rows=torch.tensor(rows).to(**to),
             prefix_lens=torch.tensor(sb.prefix_lens).to(**to), extend_lens=torch.tensor(sb.extend_lens).to(**to),
-            seq_lens=torch.tensor([p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)]).to(**to),
-            extend_start=torch.tensor(starts).to(**to), max_extend_len=max(sb.extend_lens),
-            max_seq_len=max(p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)),
+            seq_lens=torch.tensor(seq_lens).to(**to), extend_start=torch.tensor(starts).to(**to),
+            max_extend_len=max(sb.extend_lens), max_seq_len=max(seq_lens), positions=torch.tensor(positions).to(**to),
             out_slots=sb.out_slots.to(**to), logits_index=torch.tensor(logit_pos, dtype=torch.long).to(**to),
-            cos=self.cos_sin[0][pos_t], sin=self.cos_sin[1][pos_t], kv_cache=self.kv,
-            req_to_token=self.req_pool.table, attn=self.attn)
+            kv_cache=self.kv, req_to_token=self.req_pool.table, attn=self.attn)
         self.attn.prepare(batch)
         return self.model(torch.tensor(ids).to(**to), batch), prompt_rows
 

@@ -23,14 +23,15 @@ class ForwardBatch:
     extend_start: torch.Tensor  # [B] offset of each request's first new token in the flat [T] order
     max_extend_len: int
     max_seq_len: int
+    positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] KV slot each new token writes
     logits_index: torch.Tensor  # [K] flat positions whose logits the caller needs
-    cos: torch.Tensor  # [T, D]
-    sin: torch.Tensor  # [T, D]
     kv_cache: Any
     req_to_token: torch.Tensor
     attn: Any
     meta: Any = None  # backend-private, set by attn.prepare()
+    cos: Any = None  # [T, D] RoPE tables gathered by the model at the start of its forward
+    sin: Any = None
 
 
 def make_backend(name: str, device: torch.device):

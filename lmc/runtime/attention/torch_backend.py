@@ -35,8 +35,10 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         m: _Meta = batch.meta
         b, qmax = m.q_index.shape
-        qp = q[m.q_index].transpose(1, 2)  # [B, H, Q_max, D]
+        # Decode has one query per request and no padding: a view, not a gather.
+        qp = (q[:, None] if batch.is_decode else q[m.q_index]).transpose(1, 2)  # [B, H, Q_max, D]
         k = batch.kv_cache.k[layer][m.key_slots].transpose(1, 2)  # [B, H_kv, K_max, D]
         v = batch.kv_cache.v[layer][m.key_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=m.mask, enable_gqa=k.shape[1] != qp.shape[1])
-        return o.transpose(1, 2).reshape(b * qmax, *q.shape[1:])[m.q_valid]
+        o = o.transpose(1, 2).reshape(b * qmax, *q.shape[1:])
+        return o if batch.is_decode else o[m.q_valid]

@@ -132,9 +132,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope: torch.Tensor | None = None  # [2, max_position, head_dim], set by the runner (rope_cos_sin)
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """Returns logits (fp32) for the token positions in `ctx.logits_index` only."""
+        ctx.cos, ctx.sin = self.rope[0][ctx.positions], self.rope[1][ctx.positions]
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, ctx)

@@ -1,0 +1,74 @@
+"""CUDA graphs for decode: one captured forward per batch-size bucket, replayed with inputs copied into static
+buffers. A decode step of a 7B model launches ~1,000 kernels; replaying them as one graph removes the per-launch
+CPU cost that otherwise dominates at small batch.
+
+Padding rows of a bucket use the runner's dummy row (all zeros -> dummy slot 0), sequence length 1, token 0 and
+output slot 0, so they read and write only the dummy slot. Attention is captured with `max_seq_len` equal to the
+context length, so one graph serves every sequence length (kernels skip blocks past each request's length).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import ForwardBatch
+
+
+def buckets(max_bs: int) -> list[int]:
+    return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if b <= max_bs} | {max_bs})
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_bs: int):
+        self.runner, self.max_bs = runner, max_bs
+        dev = runner.device
+        self.ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.rows = torch.full((max_bs,), runner.dummy_row, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.arange = torch.arange(max_bs, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        for bs in reversed(buckets(max_bs)):  # largest first, so smaller graphs reuse its memory pool
+            self._capture(bs)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            is_decode=True, rows=self.rows[:bs], prefix_lens=self.seq_lens[:bs] - 1,
+            extend_lens=torch.ones_like(self.seq_lens[:bs]), seq_lens=self.seq_lens[:bs],
+            extend_start=self.arange[:bs], max_extend_len=1, max_seq_len=r.context_length,
+            positions=self.positions[:bs], out_slots=self.slots[:bs], logits_index=self.arange[:bs],
+            kv_cache=r.kv, req_to_token=r.req_pool.table, attn=r.attn)
+
+    @torch.inference_mode()
+    def _capture(self, bs: int) -> None:
+        batch = self._batch(bs)
+        self.runner.attn.prepare(batch)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph: kernel compilation, cuBLAS handles
+            self.runner.model(self.ids[:bs], batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.logits[bs] = self.runner.model(self.ids[:bs], batch)
+        self.pool = g.pool()
+        self.graphs[bs] = g
+
+    @torch.inference_mode()
+    def replay(self, ids: list[int], positions: list[int], slots: torch.Tensor, rows: list[int],
+               seq_lens: list[int]) -> torch.Tensor:
+        n = len(ids)
+        bs = next(b for b in sorted(self.graphs) if b >= n)
+        dev = self.ids.device
+        host = torch.tensor([ids, positions, slots.tolist(), rows, seq_lens], dtype=torch.long)
+        host = host.to(dev, non_blocking=True)
+        self.ids[:n], self.positions[:n], self.slots[:n], self.rows[:n] = host[0], host[1], host[2], host[3]
+        self.seq_lens[:n] = host[4].to(torch.int32)
+        # Padding rows: reset to the dummy values (a previous larger batch may have left real rows there).
+        self.ids[n:bs], self.positions[n:bs], self.slots[n:bs] = 0, 0, 0
+        self.rows[n:bs], self.seq_lens[n:bs] = self.runner.dummy_row, 1
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
