@@ -71,4 +71,4 @@ class DecodeGraphs:
         self.ids[n:bs], self.positions[n:bs], self.slots[n:bs] = 0, 0, 0
         self.rows[n:bs], self.seq_lens[n:bs] = self.runner.dummy_row, 1
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n].clone()  # the static buffer is overwritten by the next replay
