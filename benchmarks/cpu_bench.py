@@ -81,9 +81,12 @@ def decode(eng: Engine, hf, batch=16, prompt_len=64, new=64) -> dict:
         eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
         return time.perf_counter() - t0
 
+    # Per-step time = (time for new+1 tokens - time for 1 token) / new: prefill cancels out. Best of 2 each, since
+    # a 2-core machine's timings move with whatever else runs.
     lmc(2)  # warm-up
-    lmc_step = (lmc(new + 1) - lmc(1)) / new
-    hf_step = (hf_generate(hf, prompts, new + 1, batch) - hf_generate(hf, prompts, 1, batch)) / new
+    lmc_step = (min(lmc(new + 1) for _ in range(2)) - min(lmc(1) for _ in range(2))) / new
+    hf_step = (min(hf_generate(hf, prompts, new + 1, batch) for _ in range(2))
+               - min(hf_generate(hf, prompts, 1, batch) for _ in range(2))) / new
     return {"batch": batch, "prompt_tokens": prompt_len, "lmc_tok_s": batch / lmc_step, "hf_tok_s": batch / hf_step,
             "speedup": hf_step / lmc_step, "lmc_ms_per_step": lmc_step * 1e3, "hf_ms_per_step": hf_step * 1e3}
 
@@ -108,7 +111,7 @@ BENCHES = {"few_shot": few_shot, "decode": decode, "no_sharing": no_sharing}
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("which", nargs="*", default=list(BENCHES))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu.json"))
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     eng, hf = Engine(MODEL), hf_model()

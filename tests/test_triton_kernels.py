@@ -53,8 +53,8 @@ def reference(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_
         v = v_buf[slots].double().repeat_interleave(group, dim=1)
         qb = q[start: start + ext].double()
         scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
-        q_pos = prefix + torch.arange(ext)
-        k_pos = torch.arange(prefix + ext)
+        q_pos = prefix + torch.arange(ext, device=q.device)
+        k_pos = torch.arange(prefix + ext, device=q.device)
         scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += ext
@@ -126,3 +126,25 @@ def test_decode_attention_split_k():
 
 def test_decode_attention_fp16():
     run_decode([5, 300], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="real shapes need a GPU (run with TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8)])  # llama-2-7b, llama-3-8b
+def test_real_shapes_on_gpu(num_heads, num_kv_heads):
+    dev, dtype, head_dim = torch.device("cuda"), torch.bfloat16, 128
+    prefix_lens, extend_lens = [0, 1200, 3000, 60], [1260, 60, 1, 500]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in make_pool(seq_lens, num_kv_heads, head_dim, dtype))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen).to(dev, dtype)
+    scale = head_dim ** -0.5
+    out = tk.extend_attention(q, k_buf, v_buf, req_to_token, rows, torch.tensor(prefix_lens, device=dev),
+                              torch.tensor(extend_lens, device=dev),
+                              torch.tensor([0] + extend_lens[:-1], device=dev).cumsum(0), max(extend_lens), scale)
+    ref = reference(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, scale)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    qd = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dev, dtype)
+    out = tk.decode_attention(qd, k_buf, v_buf, req_to_token, rows, torch.tensor(seq_lens, device=dev), scale)
+    ref = reference(qd, k_buf, v_buf, req_to_token, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
