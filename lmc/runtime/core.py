@@ -102,6 +102,7 @@ class Req:
     # Prefix-match result, refreshed by the scheduler before admission.
     prefix_slots: Any = None
     match_node: Any = None
+    match_version: int = -1  # radix-cache version the match was taken at
     cached_tokens: int = 0  # tokens served from the cache that this request had not computed itself
     computed_tokens: int = 0  # high-water mark of tokens this request prefilled/decoded itself
     extend_len: int = 0  # tokens this request computes in the current forward

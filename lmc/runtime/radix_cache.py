@@ -70,6 +70,7 @@ class RadixCache:
     def reset(self) -> None:
         self.root = Node()
         self.root.lock_ref = 1
+        self.version = getattr(self, "version", 0) + 1  # bumped whenever a match result could change
         self.evictable_size = 0
         self.protected_size = 0
         self._leaves: set[Node] = set()
@@ -133,6 +134,7 @@ class RadixCache:
             node.children[key[pos]] = leaf
             self.evictable_size += len(leaf.key)
             self._leaves.add(leaf)
+            self.version += 1
         return pos
 
     # ---- locking -------------------------------------------------------------------------------------------
@@ -162,6 +164,7 @@ class RadixCache:
         heap = list(self._leaves)
         heapq.heapify(heap)
         freed = 0
+        self.version += bool(heap)
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
             self.free_slots(leaf.value)

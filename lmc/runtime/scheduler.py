@@ -97,6 +97,8 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         if self.chunked is None and not self.waiting:
             return None
+        if self.chunked is None and (len(self.running) >= self.cfg.max_running or not self.runner.req_pool.available):
+            return None  # nothing could be admitted: skip matching the queue
         t0 = time.perf_counter()
         for r in self.waiting:
             self._match(r)
@@ -163,10 +165,13 @@ class Scheduler:
     def _match(self, r: Req) -> None:
         """Longest cached prefix usable by `r`: at least one token is always recomputed (its logits are needed),
         and when prompt logprobs are asked for, their positions are recomputed too."""
+        if r.match_version == self.cache.version:
+            return  # nothing was inserted or evicted since: the match still holds (LPM stays cheap under load)
         limit = len(r.fill_ids) - 1
         if r.computed_tokens == 0 and r.params.return_logprob:
             limit = min(limit, max(r.logprob_start - 1, 0))
         r.prefix_slots, r.match_node = self.cache.match(r.fill_ids[:limit])
+        r.match_version = self.cache.version
 
     def _make_resident(self, r: Req, ext: int, est_new: int, reserved: float, idle: bool) -> bool:
         """Give `r` a row and lock its cached prefix if its `ext` new tokens plus `est_new` expected outputs fit
@@ -268,6 +273,7 @@ class Scheduler:
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
         self.running.remove(victim)
         self._release(victim)
+        victim.match_version = -1  # its token sequence grew since it last waited
         self.waiting.insert(0, victim)
         self.stats["retractions"] += 1
         short = len(self.running) - self.allocator.available

