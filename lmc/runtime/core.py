@@ -36,6 +36,10 @@ class SamplingParams:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Constrained decoding (at most one; compiled by xgrammar, see grammar.py).
+    regex: str | None = None
+    json_schema: str | dict | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -76,6 +80,16 @@ class SamplingParams:
              "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(isinstance(t, int) for t in self.stop_token_ids),
              "stop_token_ids", "must be a list of integers")
+        need(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex",
+             "must be a non-empty string")
+        need(self.json_schema is None or isinstance(self.json_schema, dict)
+             or (isinstance(self.json_schema, str) and self.json_schema.strip() != ""), "json_schema",
+             "must be a JSON schema (a dict or its JSON text)")
+        need(self.ebnf is None or (isinstance(self.ebnf, str) and self.ebnf.strip() != ""), "ebnf",
+             "must be a non-empty EBNF grammar string")
+        given = [n for n in ("regex", "json_schema", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise RequestError(f"at most one of regex, json_schema, ebnf may be given: got {', '.join(given)}")
         return self
 
     @property
@@ -118,7 +132,8 @@ class Req:
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     generator: Any = None  # per-request torch.Generator when a seed is given
-    on_finish: Any = None  # callback(req) from the engine front door
+    on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
+    grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
 
     @property
     def fill_ids(self) -> list[int]:

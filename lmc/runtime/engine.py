@@ -14,11 +14,12 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from .core import Req, RequestError, SamplingParams
+from .grammar import GrammarCache
 from .model.loader import resolve
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,6 +58,7 @@ class Engine:
             max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
             seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs)
         self.context_length = ctx
+        self.grammars = GrammarCache(self.tokenizer, self.runner.cfg.vocab_size, self.runner.cfg.eos_token_ids)
         self.max_total_tokens = self.runner.allocator.num_slots
         chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)
         self.scheduler = Scheduler(
@@ -97,6 +99,7 @@ class Engine:
         if len(ids) >= self.max_total_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
         req = Req(ids, params)
+        req.grammar = self.grammars.matcher(params)  # compiles here, off the scheduler thread (cached per grammar)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
@@ -157,6 +160,40 @@ class Engine:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
         return self._collect(list(results), single)
 
+    def stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> Iterator[dict]:
+        """Stream one request: yields {"text": delta} chunks as tokens arrive; the last chunk also carries the
+        whole result (`output_ids`, `meta_info`). Text that may still turn out to be part of a stop string is held
+        back until it is decided."""
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts, chunks.put)
+        while True:
+            chunk = chunks.get()
+            if chunk is None:
+                fut.result()  # raises the request's error, if any
+                return
+            yield chunk
+
+    async def async_stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts):
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts,
+                                     lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
+        while (chunk := await chunks.get()) is not None:
+            yield chunk
+        await asyncio.wrap_future(fut)
+
+    def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push) -> Future:
+        fut: Future = Future()
+        fut.add_done_callback(lambda f: push(None))
+        try:
+            req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
+        except RequestError as e:
+            fut.set_exception(e)
+            return fut
+        req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push)
+        self._inbox.put(("req", (req, fut)))
+        return fut
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache once the engine is idle. Returns True when done."""
         fut: Future = Future()
@@ -215,6 +252,8 @@ class Engine:
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
                 for r in progressed:
+                    if r.on_progress is not None:
+                        r.on_progress(r)
                     if r.finished:
                         self._futures.pop(r).set_result(r.result())
                 if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
@@ -230,3 +269,27 @@ class Engine:
             fut.set_exception(exc)
         self._futures.clear()
         self.scheduler.reset()
+
+
+class _Deltas:
+    """Turns a request's growing output into text deltas (called on the scheduler thread)."""
+
+    def __init__(self, tokenizer, stops, push):
+        self.tokenizer, self.stops, self.push, self.sent = tokenizer, stops, push, 0
+
+    def __call__(self, r: Req) -> None:
+        if r.finished:
+            text = r.text
+        elif self.tokenizer is None:
+            text = ""
+        else:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True).rstrip("\ufffd")  # partial UTF-8
+            hold = max((k for s in self.stops for k in range(1, min(len(s), len(text)) + 1)
+                        if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        chunk = {"text": delta}
+        if r.finished:
+            chunk.update(r.result(), text=delta)
+        if delta or r.finished:
+            self.push(chunk)

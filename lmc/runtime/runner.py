@@ -8,6 +8,7 @@ import torch
 
 from .attention import ForwardBatch, make_backend
 from .core import Req
+from .grammar import apply_grammar_masks
 from .memory import KVCache, ReqToTokenPool, SlotAllocator
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
 from .sampling import sample, token_logprobs
@@ -133,8 +134,10 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp and (n_prompt or sample_rows) else None
         next_ids: dict[int, int] = {}
         if sample_rows:
-            # advanced indexing copies, so penalties applied in place by sample() leave `logprobs` raw
-            picked = sample(logits[sample_at], [sb.reqs[i] for i in sample_rows], self.cfg.eos_token_ids)
+            # advanced indexing copies, so the grammar mask and the penalties applied in place leave `logprobs` raw
+            rows_logits, rows_reqs = logits[sample_at], [sb.reqs[i] for i in sample_rows]
+            apply_grammar_masks(rows_logits, rows_reqs, self.cfg.vocab_size)
+            picked = sample(rows_logits, rows_reqs, self.cfg.eos_token_ids)
             next_ids = dict(zip(sample_rows, picked.tolist()))
             if logprobs is not None:
                 top_n = max(sb.reqs[i].params.top_logprobs_num for i in sample_rows)

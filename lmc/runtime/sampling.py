@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, min-tokens, temperature, top-k / top-p / min-p, per-request seeds.
+"""Batched sampling: penalties, min-tokens, temperature, top-k / top-p / min-p, per-request seeds. Rows of
+constrained requests arrive already masked by their grammar (runner.py / grammar.py).
 
 Sampling uses the exponential-race form of the Gumbel trick (argmax of p / E with E ~ Exp(1)), which is exact
 categorical sampling and lets seeded requests draw their noise from their own generator while the rest of the
@@ -24,7 +25,10 @@ def _penalize(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -
         if len(r.output_ids) < p.min_new_tokens:
             banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(eos_ids))
             if banned:
+                saved = logits[i, banned].clone() if r.grammar is not None else None
                 logits[i, banned] = float("-inf")
+                if saved is not None and not torch.isfinite(logits[i]).any():
+                    logits[i, banned] = saved  # the grammar can only end here: it wins over min_new_tokens
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:

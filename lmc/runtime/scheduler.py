@@ -309,7 +309,10 @@ class Scheduler:
             if olp is not None:
                 r.output_logprobs.append((olp[0], nid, None))
                 r.output_top_logprobs.append(olp[1])
-            reason = self._finish_reason(r, nid)
+            if r.grammar is not None and not r.grammar.accept_token(nid):  # the mask allowed it: cannot happen
+                reason = {"type": "abort", "message": f"token {nid} was sampled but its grammar rejects it"}
+            else:
+                reason = self._finish_reason(r, nid)
             if reason is not None:
                 self._finish(r, reason)
             elif not sb.is_decode:
@@ -320,6 +323,8 @@ class Scheduler:
 
     def _finish_reason(self, r: Req, tok: int) -> dict | None:
         p, n = r.params, len(r.output_ids)
+        if r.grammar is not None and r.grammar.is_terminated():  # it accepted a stop token: nothing may follow
+            return {"type": "stop", "matched": tok}
         if n >= p.min_new_tokens:
             if p.stop_token_ids and tok in p.stop_token_ids:
                 return {"type": "stop", "matched": tok}

@@ -1,0 +1,79 @@
+"""`lmc.Local`: programs on the in-process engine (lmc.runtime, imported only when a Local is made)."""
+from __future__ import annotations
+
+from ..frontend.chat_template import ChatTemplate
+from ..frontend.choices import ChoicesDecision, ChoicesSamplingMethod
+from ..frontend.primitives import GenParams, Image
+
+
+class Local:
+    supports_images = False
+
+    def __init__(self, model: str = "smollm2-135m-instruct", engine=None, **engine_kwargs):
+        from ..runtime import Engine
+
+        self.engine = engine or Engine(model, **engine_kwargs)
+        self.model = self.engine.model_name
+        self.chat_template = ChatTemplate.from_tokenizer(self.engine.tokenizer)
+
+    def __repr__(self) -> str:
+        return f"Local({self.model!r})"
+
+    def _check(self, images: list[Image]) -> None:
+        if images:
+            raise ValueError(f"model {self.model!r} is text-only: image() needs a vision-capable backend")
+
+    async def generate(self, text: str, params: GenParams, images: list[Image]):
+        self._check(images)
+        p, n = params.engine_params(), params.n or 1
+        if n == 1:
+            r = await self.engine.async_generate(text, p)
+            return r["text"], r["meta_info"]
+        seeds = [None if p.get("seed") is None else p["seed"] + i for i in range(n)]
+        rs = await self.engine.async_generate([text] * n, [{**p, "seed": s} for s in seeds])
+        for r in rs:
+            if "error" in r:
+                raise ValueError(r["error"])
+        return [r["text"] for r in rs], [r["meta_info"] for r in rs]
+
+    async def generate_stream(self, text: str, params: GenParams, images: list[Image]):
+        self._check(images)
+        async for chunk in self.engine.async_stream(text, params.engine_params()):
+            yield chunk["text"], chunk.get("meta_info")
+
+    async def select(self, text: str, choices: list[str], temperature: float,
+                     method: ChoicesSamplingMethod) -> ChoicesDecision:
+        """Score every choice in one batched prefill that shares the prompt's cached prefix. Scoring starts two
+        tokens before the prompt's end (SGLang's token-healing window), since the prompt's last token may merge
+        with a choice's first one."""
+        tok = self.engine.tokenizer
+        start = max(len(tok.encode(text)) - 2, 0)
+        rs = await self.engine.async_generate([text + c for c in choices], {"max_new_tokens": 0},
+                                              return_logprob=True, logprob_start_len=start)
+        for r in rs:
+            if "error" in r:
+                raise ValueError(r["error"])
+        input_lps = [r["meta_info"]["input_token_logprobs"] for r in rs]
+        normalized = [_mean([lp for lp, _, _ in lps if lp is not None]) for lps in input_lps]
+        uncond = None
+        if method.requires_unconditional_logprobs:
+            ids = [tok.encode(c, add_special_tokens=False) or [tok.eos_token_id] for c in choices]
+            ur = await self.engine.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                                                  return_logprob=True, logprob_start_len=0)
+            uncond = [r["meta_info"]["input_token_logprobs"] for r in ur]
+        return method(choices=choices, normalized_prompt_logprobs=normalized, input_token_logprobs=input_lps,
+                      output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=uncond)
+
+    async def commit(self, text: str) -> None:
+        if text:
+            await self.engine.async_generate(text, {"max_new_tokens": 0})
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0

@@ -1,0 +1,1 @@
+"""The SGLang-compatible language: primitives, programs, program states."""

@@ -1,0 +1,400 @@
+"""Program execution: streams of expressions run in order, many streams at once.
+
+A `Stream` is one token stream (SGLang's StreamExecutor): the program body appends expressions to it from its
+own thread and they execute in order as coroutines on one shared frontend event loop, so a thousand forks or
+batch programs in flight cost no threads. `ProgramState` (the `s` of a program) is the user-facing handle.
+
+Fixed here, compared with SGLang's frontend:
+- `fork` waits for the parent's queue before reading its text, so the shared-prefix commit is never skipped;
+- an error in a stream fails what waits on it: later reads raise it, `sync()` returns instead of hanging;
+- reading a variable blocks only until that variable is produced, and an unknown name raises a KeyError that
+  lists the defined ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+from .choices import token_length_normalized
+from .primitives import (DEFAULT_PARAMS, Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Text,
+                         _as_expr)
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def frontend_loop() -> asyncio.AbstractEventLoop:
+    """The one background event loop every stream runs on (started on first use)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="lmc-frontend", daemon=True).start()
+        return _loop
+
+
+class VarScopeBegin(Expr):
+    def __init__(self, name: str):
+        self.name = name
+
+
+class VarScopeEnd(Expr):
+    def __init__(self, name: str):
+        self.name = name
+
+
+class Commit(Expr):
+    """Hint: prefill the stream's text now (before a fork), so branches share one cached prefix."""
+
+
+class ConcatAppend(Expr):
+    def __init__(self, children: list["Stream"]):
+        self.children = children
+
+
+class Stream:
+    def __init__(self, backend, defaults: GenParams = DEFAULT_PARAMS, stream_tokens: bool = False,
+                 num_api_spec_tokens: int | None = None):
+        self.backend, self.defaults = backend, defaults
+        self.stream_tokens = stream_tokens
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.text = ""
+        self.messages: list[dict] = []
+        self.images: list[Image] = []
+        self.vars: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
+        self.role: str | None = None
+        self.role_begin = 0
+        self.fork_start = 0
+        self.scopes: dict[str, int] = {}
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._queued = 0  # submitted, not yet executed
+        self._pending = Counter()  # variable -> producers queued
+        self._version = 0  # bumped on every text change (streaming readers wait on it)
+        self._idle_waiters: list[Future] = []
+        self._items: deque[Expr] = deque()  # touched on the loop thread only
+        self._draining = False
+        self._loop = frontend_loop()
+
+    # ---- body-thread side ----------------------------------------------------------------------------------
+    def submit(self, expr) -> None:
+        items = _as_expr(expr)
+        items = items.flatten() if isinstance(items, ExprList) else [items]
+        with self._cond:
+            for e in items:
+                if isinstance(e, (Gen, Select)) and e.name is not None:
+                    self._pending[e.name] += 1
+            self._queued += len(items)
+        self._loop.call_soon_threadsafe(self._enqueue, items)
+
+    def sync(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued == 0)
+
+    def when_idle(self) -> Future:
+        """A future resolved once everything submitted so far has executed."""
+        fut: Future = Future()
+        with self._cond:
+            if self._queued:
+                self._idle_waiters.append(fut)
+                return fut
+        fut.set_result(self)
+        return fut
+
+    def get_var(self, name: str) -> Any:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending[name] == 0 or self.error is not None)
+            if self.error is not None and (self._pending[name] or name not in self.vars):
+                raise self.error  # the stream failed before producing it
+            if name not in self.vars:
+                raise KeyError(f"variable {name!r} is not defined; defined variables: {sorted(map(str, self.vars))}")
+            return self.vars[name]
+
+    def wait_text_change(self, seen: int, timeout: float | None = None) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self._version != seen or self._queued == 0, timeout)
+            return self._version
+
+    # ---- loop side -----------------------------------------------------------------------------------------
+    def _enqueue(self, items: list[Expr]) -> None:
+        self._items.extend(items)
+        if not self._draining:  # an idle stream holds no task: thousands of finished programs cost nothing
+            self._draining = True
+            self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._items:
+            e = self._items.popleft()
+            try:
+                if self.error is None:
+                    await self._execute(e)
+            except Exception as exc:  # the stream stops executing; readers of its variables get this error
+                self.error = exc
+            finally:
+                with self._cond:
+                    if isinstance(e, (Gen, Select)) and e.name is not None:
+                        self._pending[e.name] -= 1
+                    self._queued -= 1
+                    self._cond.notify_all()
+                    waiters = self._idle_waiters if self._queued == 0 else []
+                    if waiters:
+                        self._idle_waiters = []
+                for fut in waiters:
+                    fut.set_result(self)
+        self._draining = False
+
+    def _append(self, text: str) -> None:
+        with self._cond:
+            self.text += text
+            self._version += 1
+            self._cond.notify_all()
+
+    async def _execute(self, e: Expr) -> None:
+        tmpl = self.backend.chat_template
+        if isinstance(e, Text):
+            self._append(e.value)
+        elif isinstance(e, RoleBegin):
+            if self.role is not None:
+                raise ValueError(f"role {e.role!r} begins inside role {self.role!r}: roles cannot nest")
+            if e.role != "system" and not self.messages and tmpl.default_system and not self.text:
+                self._append(tmpl.default_system)  # what the model's template inserts without a system turn
+            self._append(tmpl.prefix[e.role])
+            self.role, self.role_begin = e.role, len(self.text)
+        elif isinstance(e, RoleEnd):
+            if self.role != e.role:
+                raise ValueError(f"role end {e.role!r} does not match the open role {self.role!r}")
+            content = self.text[self.role_begin:].lstrip()
+            self._append(tmpl.suffix[e.role])
+            self.messages.append({"role": e.role, "content": content})
+            self.role = None
+        elif isinstance(e, Gen):
+            await self._gen(e)
+        elif isinstance(e, Select):
+            method = e.choices_method or token_length_normalized
+            decision = await self.backend.select(self.text, e.choices, e.temperature, method)
+            self._append(decision.decision)
+            self._set(e.name, decision.decision, decision.meta_info)
+        elif isinstance(e, Image):
+            if not getattr(self.backend, "supports_images", False):
+                raise ValueError(f"image(): the backend {self.backend!r} serves a text-only model; images need a "
+                                 "vision-capable API backend")
+            self.images.append(e)
+        elif isinstance(e, VarScopeBegin):
+            self.scopes[e.name] = len(self.text)
+        elif isinstance(e, VarScopeEnd):
+            self._set(e.name, self.text[self.scopes.pop(e.name):], None)
+        elif isinstance(e, Commit):
+            await self.backend.commit(self.text)
+        elif isinstance(e, ConcatAppend):
+            for child in e.children:
+                if child.error is not None:
+                    raise child.error
+                self._append(child.text[child.fork_start:])
+        else:
+            raise TypeError(f"unknown expression {e!r}")
+
+    async def _gen(self, e: Gen) -> None:
+        params = e.params.merged_over(self.defaults)
+        if self.role == "assistant" and self.backend.chat_template.stop_token_ids:
+            params.stop_token_ids = list(params.stop_token_ids or ()) + list(self.backend.chat_template.stop_token_ids)
+        if self.stream_tokens and (params.n or 1) == 1:
+            out, meta = "", None
+            async for delta, meta in self.backend.generate_stream(self.text, params, self.images):
+                out += delta
+                self._append(delta)
+                if e.name is not None:
+                    self.vars[e.name] = out
+        else:
+            out, meta = await self.backend.generate(self.text, params, self.images)
+            self._append(out[0] if isinstance(out, list) else out)
+        self._set(e.name, _convert(out, params.dtype, e.name), meta)
+
+    def _set(self, name: str | None, value, meta) -> None:
+        if name is not None:
+            self.vars[name] = value
+            self.meta[name] = meta
+
+    # ---- forking -------------------------------------------------------------------------------------------
+    def child(self) -> "Stream":
+        c = Stream(self.backend, self.defaults, self.stream_tokens, self.num_api_spec_tokens)
+        c.text, c.messages, c.images = self.text, list(self.messages), list(self.images)
+        c.vars, c.meta = dict(self.vars), dict(self.meta)
+        c.role, c.role_begin, c.fork_start = self.role, self.role_begin, len(self.text)
+        return c
+
+
+def _convert(out, dtype, name):
+    if dtype is None or dtype is str:
+        return out
+    if isinstance(out, list):
+        return [_convert(o, dtype, name) for o in out]
+    s = out.strip()
+    try:
+        return {int: int, float: float, bool: lambda v: {"True": True, "False": False}[v]}[dtype](s)
+    except (ValueError, KeyError):
+        raise ValueError(f"gen({name!r}, dtype={dtype.__name__}): the model produced {out!r}") from None
+
+
+class ProgramState:
+    """The `s` a program writes to. `s += expr` queues work and returns at once; `s["x"]` waits for x."""
+
+    def __init__(self, stream: Stream):
+        self._s = stream
+        self.ret_value = None
+
+    def __iadd__(self, expr):
+        if expr is None:
+            raise ValueError("cannot append None to a program state")
+        self._s.submit(expr)
+        return self
+
+    def __getitem__(self, name: str):
+        return self._s.get_var(name)
+
+    def get_var(self, name: str):
+        return self._s.get_var(name)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._s.vars[name] = value
+
+    set_var = __setitem__
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._s.vars
+
+    def get_meta_info(self, name: str):
+        self._s.get_var(name)
+        return self._s.meta.get(name)
+
+    def variables(self) -> dict[str, Any]:
+        self.sync()
+        return dict(self._s.vars)
+
+    def text(self) -> str:
+        self.sync()
+        return self._s.text
+
+    def messages(self) -> list[dict]:
+        self.sync()
+        return list(self._s.messages)
+
+    def sync(self) -> None:
+        self._s.sync()
+
+    def error(self) -> BaseException | None:
+        return self._s.error
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+    # ---- roles, scopes, forks ------------------------------------------------------------------------------
+    def _role(self, role: str, expr=None):
+        if expr is not None:
+            self._s.submit(ExprList([RoleBegin(role), _as_expr(expr), RoleEnd(role)]))
+            return contextlib.nullcontext()
+        return self._scope(RoleBegin(role), RoleEnd(role))
+
+    def system(self, expr=None):
+        return self._role("system", expr)
+
+    def user(self, expr=None):
+        return self._role("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def _scope(self, begin: Expr, end: Expr):
+        self._s.submit(begin)
+        yield self
+        self._s.submit(end)
+
+    def var_scope(self, name: str):
+        """`with s.var_scope("x"): s += ...` sets x to the text appended inside the block."""
+        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
+
+    def fork(self, size: int = 1, position_ids_offset=None) -> "ProgramStateGroup":
+        self._s.sync()  # the parent's text is complete before it is copied (SGLang reads it before syncing)
+        if size > 1 and self._s.text and self._s.error is None:
+            self._s.submit(Commit())  # the shared prefix enters the cache once, before the branches run
+            self._s.sync()
+        if self._s.error is not None:
+            raise self._s.error
+        return ProgramStateGroup([ProgramState(self._s.child()) for _ in range(size)], self)
+
+    @contextlib.contextmanager
+    def copy(self):
+        group = self.fork(1)
+        yield group[0]
+        group.join()
+
+    # ---- streaming -----------------------------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Yield the text (or one variable) as it grows, until everything submitted so far has run."""
+        s, sent, seen = self._s, 0, -1
+        while True:
+            seen = s.wait_text_change(seen, timeout=0.5)
+            with s._cond:
+                cur = s.text if var_name is None else s.vars.get(var_name, "")
+                done = s._queued == 0 and getattr(self, "_body_done", True)
+            cur = cur if isinstance(cur, str) else ""
+            if len(cur) > sent:
+                yield cur[sent:]
+                sent = len(cur)
+            if done:
+                if s.error is not None:
+                    raise s.error
+                return
+
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False):
+        it = self.text_iter(var_name)
+        while True:
+            chunk = await asyncio.to_thread(next, it, None)
+            if chunk is None:
+                return
+            yield (chunk, self._s.meta.get(var_name)) if return_meta_data else chunk
+
+
+class ProgramStateGroup:
+    """The branches of a fork. `forks += x`: a callable gets each index, a list goes element-wise, anything else
+    goes to every branch."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState):
+        self.states, self.parent = states, parent
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __iadd__(self, x):
+        for i, st in enumerate(self.states):
+            st += x(i) if callable(x) else (x[i] if isinstance(x, (list, tuple)) else x)
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        for st in self.states:
+            st.sync()
+        parent = self.parent._s
+        if mode == "gather_variable":
+            inherited = set(parent.vars)
+            for st in self.states:
+                if st._s.error is not None:
+                    parent.error = parent.error or st._s.error
+            names = dict.fromkeys(k for st in self.states for k in st._s.vars if k not in inherited)
+            for k in names:
+                parent.vars[k] = [st._s.vars.get(k) for st in self.states]
+                parent.meta[k] = [st._s.meta.get(k) for st in self.states]
+        elif mode == "concate_and_append":
+            parent.submit(ConcatAppend([st._s for st in self.states]))
+        else:
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', not {mode!r}")

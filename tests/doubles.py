@@ -1,0 +1,31 @@
+"""Test doubles (never used by lmc itself)."""
+from lmc.frontend.chat_template import ChatTemplate
+from lmc.frontend.choices import ChoicesDecision
+
+
+class ScriptedBackend:
+    """Answers every gen with a fixed string and every select with its first choice, recording each call."""
+
+    supports_images = True
+
+    def __init__(self, reply: str = "scripted"):
+        self.reply, self.calls = reply, []
+        self.chat_template = ChatTemplate.plain()
+
+    async def generate(self, text, params, images):
+        self.calls.append(("generate", text))
+        return self.reply, {"backend": "scripted"}
+
+    async def generate_stream(self, text, params, images):
+        self.calls.append(("generate_stream", text))
+        yield self.reply, {"backend": "scripted"}
+
+    async def select(self, text, choices, temperature, method):
+        self.calls.append(("select", text))
+        return ChoicesDecision(choices[0], {})
+
+    async def commit(self, text):
+        self.calls.append(("commit", text))
+
+    def flush_cache(self):
+        return True
