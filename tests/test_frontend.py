@@ -276,3 +276,53 @@ def test_nested_call_uses_the_callers_backend(local):
         sgl.set_default_backend(local)
     assert other.calls == [] and st["inner_text"].startswith("Say hi:")
     assert st["inner_text"] != "Say hi:scripted"
+
+
+def test_typed_gens_parse_to_python_types(local):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        is_capital: bool
+
+    @sgl.function
+    def typed(s):
+        s += "Q: How many days are in a week?\nA: " + sgl.gen_int("days", max_tokens=4) + "\n"
+        s += "Is water wet? Answer True or False: " + sgl.gen("yes", dtype=bool, max_tokens=3) + "\n"
+        s += "Q: Name a color.\nA: " + sgl.gen_string("color", max_tokens=8) + "\n"
+        s += "Describe Paris as JSON: " + sgl.gen("city", json_schema=City, max_tokens=60)
+        s += "\nAgain, as a dict schema: " + sgl.gen("city2", json_schema=City.model_json_schema(), max_tokens=60)
+        s += "\nA phone number: " + sgl.gen("phone", regex=r"[0-9]{3}-[0-9]{4}", max_tokens=10)
+
+    st = typed.run(temperature=0)
+    assert isinstance(st["days"], int) and st["days"] == 7
+    assert st["yes"] is True
+    assert st["color"].startswith('"') and st["color"].endswith('"')
+    for key in ("city", "city2"):
+        city = City.model_validate_json(st[key])
+        assert city.name == "Paris" and isinstance(city.is_capital, bool)
+    import re
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", st["phone"])
+
+
+def test_gen_n_returns_a_list(local):
+    @sgl.function
+    def many(s):
+        s += "A random word:" + sgl.gen("w", n=3, max_tokens=3, temperature=1.0, seed=1)
+
+    st = many.run()
+    assert isinstance(st["w"], list) and len(st["w"]) == 3 and st.text().endswith(st["w"][0])
+
+
+def test_fork_branches_are_batched_by_the_engine(local, engine):
+    @sgl.function
+    def four(s):
+        s += "Write a word:"
+        forks = s.fork(4)
+        forks += sgl.gen("w", max_tokens=8, ignore_eos=True)
+        forks.join()
+
+    before = engine.stats()["decode_forwards"]
+    four.run(temperature=0)
+    assert engine.stats()["decode_forwards"] - before <= 12  # 4 branches x 7 decode steps, run together
