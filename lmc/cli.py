@@ -1,10 +1,33 @@
-"""`lmc` command line. Subcommands so far: `generate` (one prompt through the local engine) and `models`."""
+"""`lmc` command line.
+
+    lmc generate PROMPT [--chat] [--json]           one prompt through the local engine
+    lmc models                                      the built-in model names
+    lmc run prog.py[:name] [--arg k=v ...] [--json] run one program of a file
+    lmc run-batch prog.py[:name] -i in.jsonl -o out.jsonl
+                                                    run it once per input line, resumable
+
+Exit status: 0 on success, 1 when a program failed (for run-batch: when some line failed), 2 for a usage error
+(bad file, no or several programs, missing or unknown arguments, unknown backend or model).
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
+import math
 import os
+import re
 import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("local",)
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs: reported as `lmc: ...`, exit status 2."""
 
 
 def _generate(args) -> int:
@@ -40,6 +63,324 @@ def _models(_args) -> int:
     return 0
 
 
+# ---- loading a program file ------------------------------------------------------------------------------------
+def _split_target(target: str) -> tuple[Path, str | None]:
+    """`prog.py` or `prog.py:name` (a path that exists as given wins over the split)."""
+    if not os.path.exists(target) and ":" in target:
+        path, _, name = target.rpartition(":")
+        if name.isidentifier():
+            return Path(path), name
+    return Path(target), None
+
+
+def _import_file(path: Path):
+    """Import the file as a fresh module (its `if __name__ == "__main__":` block does not run); its directory goes
+    on sys.path first, as for `python prog.py`, so it can import its neighbours."""
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    name = "_lmc_program_" + re.sub(r"\W", "_", path.stem)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses, pickling and typing look the module up while it executes
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UsageError(f"cannot import {path}: SyntaxError: {e.msg} (line {e.lineno})") from None
+    except Exception as e:
+        raise UsageError(f"cannot import {path}: {_describe(e, path)}") from None
+    return module
+
+
+def _pick_program(module, path: Path, name: str | None):
+    from lmc import Program
+
+    found: dict[str, Program] = {}
+    for k, v in vars(module).items():
+        if isinstance(v, Program) and not k.startswith("_") and all(v is not p for p in found.values()):
+            found[k] = v
+    if name is not None:
+        prog = vars(module).get(name)
+        if not isinstance(prog, Program):
+            raise UsageError(f"{path} has no program {name!r}; programs: {', '.join(found) or '(none)'}")
+        return prog
+    # Programs imported from elsewhere (helpers the file calls) count only when the file defines none itself.
+    own = {k: p for k, p in found.items() if p.func.__module__ == module.__name__} or found
+    if len(own) == 1:
+        return next(iter(own.values()))
+    if not own:
+        raise UsageError(f"{path} defines no lmc program (a function decorated with @lmc.function)")
+    raise UsageError(f"{path} defines {len(own)} programs: {', '.join(own)}; pick one with {path}:NAME")
+
+
+def _parse_args(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise UsageError(f"--arg {pair!r}: expected NAME=VALUE")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def _check_arguments(prog, given: dict[str, Any]) -> str | None:
+    """None when `given` are valid keyword arguments of the program, else what is wrong."""
+    params = list(inspect.signature(prog.func).parameters.values())[1:]
+    if not isinstance(given, dict):
+        return f"expected a JSON object of arguments, got {type(given).__name__}"
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    unknown = [k for k in given if k not in named and not takes_any]
+    if unknown:
+        return (f"unknown argument(s) {', '.join(map(repr, unknown))} for {prog.__name__}; it takes: "
+                f"{', '.join(_signature_names(params)) or '(no arguments)'}")
+    missing = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.default is p.empty and p.name not in given and p.name not in prog.bind_arguments]
+    if missing:
+        return f"missing required argument(s) {', '.join(map(repr, missing))} for {prog.__name__}"
+    return None
+
+
+def _signature_names(params) -> list[str]:
+    return [p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _describe(e: BaseException, path: Path | None = None) -> str:
+    """`Type: message`, plus the innermost line of the user's file the error passed through."""
+    msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if path is not None:
+        import traceback
+
+        want = os.path.realpath(path)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.realpath(f.filename) == want]
+        if frames:
+            msg += f" (at {path}:{frames[-1].lineno})"
+    return msg
+
+
+def _load(args):
+    """File, program and backend name checked before any model is loaded (usage errors are instant)."""
+    if args.backend not in BACKENDS:
+        raise UsageError(f"unknown backend {args.backend!r}; available backends: {', '.join(BACKENDS)}")
+    path, name = _split_target(args.program)
+    prog = _pick_program(_import_file(path), path, name)
+    return path, prog
+
+
+def _make_backend(args):
+    from lmc.runtime import UnknownModelError
+
+    import lmc
+
+    kwargs = {"device": args.device}
+    if args.max_total_tokens is not None:
+        kwargs["max_total_tokens"] = args.max_total_tokens
+    try:
+        return lmc.Local(args.model, **kwargs)
+    except UnknownModelError as e:
+        raise UsageError(str(e)) from None
+
+
+def _sampling(args) -> dict[str, Any]:
+    return {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}  # None: the program's default
+
+
+def _execute(prog, arguments: dict, sampling: dict, backend):
+    """`prog.run(**arguments)` without run()'s own keywords: a program argument named `stop`, `n` or `backend`
+    stays a program argument. Raises the program's error."""
+    state = prog._start((), arguments, sampling, backend)
+    state.sync()
+    if state.error() is not None:
+        raise state.error()
+    return state
+
+
+def _jsonable(v):
+    """v as JSON-serializable data: containers converted, anything else (and non-finite floats) as repr."""
+    if v is None or isinstance(v, (str, bool, int)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else repr(v)
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else repr(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return repr(v)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(_jsonable(obj), ensure_ascii=False)
+
+
+# ---- lmc run ----------------------------------------------------------------------------------------------------
+def _run(args) -> int:
+    path, prog = _load(args)
+    arguments = _parse_args(args.arg or [])
+    problem = _check_arguments(prog, arguments)
+    if problem:
+        raise UsageError(problem)
+    backend = _make_backend(args)
+    try:
+        try:
+            state = _execute(prog, arguments, _sampling(args), backend)
+            variables, text, messages = state.variables(), state.text(), state.messages()
+        except Exception as e:
+            print(f"lmc: {prog.__name__} failed: {_describe(e, path)}", file=sys.stderr)
+            return 1
+    finally:
+        backend.shutdown()
+    if args.json:
+        print(_dumps({"variables": variables, "text": text, "messages": messages}))
+    else:
+        for k, v in variables.items():
+            print(f"{k} = {_dumps(v)}")
+        print("--- text ---")
+        print(text)
+    return 0
+
+
+# ---- lmc run-batch ----------------------------------------------------------------------------------------------
+def _read_records(out_path: Path) -> dict[int, tuple[bool, str]]:
+    """index -> (succeeded, line) of the records in the output; a success is never replaced by a later failure.
+    Unreadable lines (a write cut short by a kill) are dropped."""
+    records: dict[int, tuple[bool, str]] = {}
+    if not out_path.exists():
+        return records
+    with open(out_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or not isinstance(rec.get("index"), int):
+                continue
+            ok = "error" not in rec
+            if ok or not records.get(rec["index"], (False, ""))[0]:
+                records[rec["index"]] = (ok, line.rstrip("\n"))
+    return records
+
+
+def _rewrite(out_path: Path, records: dict[int, tuple[bool, str]]) -> None:
+    """Write the records sorted by index (atomically: a kill leaves the old file or the new one)."""
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(records[i][1] + "\n" for i in sorted(records))
+    os.replace(tmp, out_path)
+
+
+def _run_batch(args) -> int:
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    path, prog = _load(args)
+    in_path, out_path = Path(args.input), Path(args.output)
+    if not in_path.is_file():
+        raise UsageError(f"no such input file: {in_path}")
+    if args.num_threads < 1:
+        raise UsageError("--num-threads must be at least 1")
+    with open(in_path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+
+    # Successful records are kept; failed ones are dropped here and retried.
+    done = {i: r for i, r in _read_records(out_path).items() if r[0]}
+    _rewrite(out_path, done)
+    todo: list[tuple[int, dict]] = []
+    invalid: list[dict] = []  # lines that fail without running
+    for i, line in enumerate(lines):
+        if i in done or not line.strip():  # blank lines are skipped; an index is always the line's number
+            continue
+        try:
+            arguments = json.loads(line)
+        except ValueError as e:
+            invalid.append({"index": i, "error": f"malformed input line: {e}"})
+            continue
+        problem = _check_arguments(prog, arguments)
+        if problem:
+            invalid.append({"index": i, "error": problem})
+        else:
+            todo.append((i, arguments))
+    total = len(todo) + len(invalid)
+    if done:
+        print(f"lmc: resuming {out_path}: {len(done)} line(s) already done, {total} to run", file=sys.stderr)
+    if total == 0:
+        return 0
+    backend = _make_backend(args) if todo else None
+    sampling = _sampling(args)
+
+    out = open(out_path, "a", encoding="utf-8")
+    lock = threading.Lock()
+    failed = 0
+    progress = tqdm(total=total, desc=prog.__name__, unit="program", file=sys.stderr, dynamic_ncols=True)
+
+    def write(rec: dict) -> None:
+        nonlocal failed
+        line = _dumps(rec)
+        with lock:
+            out.write(line + "\n")
+            out.flush()  # on disk as soon as it finishes: a killed batch resumes from here
+            if "error" in rec:
+                failed += 1
+                progress.set_postfix(failed=failed, refresh=False)
+            progress.update()
+
+    def one(i: int, arguments: dict) -> None:
+        # A worker holds its program until every gen finished: at most --num-threads programs are in flight.
+        try:
+            state = _execute(prog, arguments, sampling, backend)
+            rec = {"index": i, "variables": state.variables(), "text": state.text()}
+        except Exception as e:
+            rec = {"index": i, "error": _describe(e, path)}
+        write(rec)
+
+    for rec in invalid:
+        write(rec)
+    if todo:
+        pool = ThreadPoolExecutor(min(args.num_threads, len(todo)), thread_name_prefix="lmc-run-batch")
+        try:
+            for fut in as_completed([pool.submit(one, i, a) for i, a in todo]):
+                fut.result()
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            with lock:
+                out.close()
+            progress.close()
+            print(f"\nlmc: interrupted; rerun the same command to resume {out_path}", file=sys.stderr)
+            os._exit(130)  # running programs hold worker threads; what finished is on disk
+        pool.shutdown()
+        backend.shutdown()
+    progress.close()
+    out.close()
+    _rewrite(out_path, _read_records(out_path))  # in input order now that nothing is appended any more
+    if failed:
+        print(f"lmc: {failed} of {total} line(s) failed; see the \"error\" records in {out_path} "
+              "(rerun the same command to retry them)", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- argument parsing -------------------------------------------------------------------------------------------
+def _add_program_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("program", metavar="prog.py[:name]",
+                   help="a Python file defining @lmc.function programs; :name picks one when it defines several")
+    p.add_argument("--backend", default="local", help=f"where programs run (available: {', '.join(BACKENDS)})")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model of the local backend (see `lmc models`)")
+    p.add_argument("--device", default="auto", help="device of the local backend (auto, cpu, cuda)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache size of the local engine in tokens (default: the engine's)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="program-level default temperature (default: the program's, 1.0 as in SGLang)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="program-level default max new tokens for gens without max_tokens (default 128)")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(prog="lmc", description="An optimizing compiler and runtime for LM programs")
@@ -56,8 +397,34 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=_generate)
     m = sub.add_parser("models", help="list the built-in model names")
     m.set_defaults(fn=_models)
+    r = sub.add_parser("run", help="run a program from a Python file",
+                       description="Import prog.py (its __main__ block does not run), run one of its programs "
+                                   "and print its variables (name = JSON value) and its text.")
+    _add_program_options(r)
+    r.add_argument("--arg", action="append", metavar="NAME=VALUE",
+                   help="a program argument; VALUE is parsed as JSON when it parses (numbers, lists, true), "
+                        "else kept as a string. Repeatable")
+    r.add_argument("--json", action="store_true", help='print {"variables", "text", "messages"} as one JSON object')
+    r.set_defaults(fn=_run)
+    b = sub.add_parser("run-batch", help="run a program once per line of a JSONL file (resumable)",
+                       description="Each input line is a JSON object of program arguments. One JSON line per "
+                                   "program is appended to the output as it finishes: {index, variables, text} or "
+                                   "{index, error}. Rerunning with the same output skips the lines already done "
+                                   "and retries the failed ones; the finished file is sorted by index.")
+    _add_program_options(b)
+    b.add_argument("-i", "--input", required=True, help="input JSONL: one object of arguments per line")
+    b.add_argument("-o", "--output", required=True, help="output JSONL (resumed when it exists)")
+    b.add_argument("--num-threads", type=int, default=32, help="programs in flight at once (default 32)")
+    b.set_defaults(fn=_run_batch)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"lmc: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nlmc: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

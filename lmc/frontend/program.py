@@ -202,21 +202,9 @@ def _swallow(fn: Callable) -> None:
 
 def _failed_state(exc: BaseException) -> ProgramState:
     """A state for a program that never ran (its body raised before queuing anything, or it was skipped)."""
-    state = ProgramState.__new__(ProgramState)
-    state._s = _FailedStream(exc)
-    state.ret_value = None
-    return state
-
-
-class _FailedStream:
-    def __init__(self, exc: BaseException):
-        self.error, self.vars, self.meta, self.text, self.messages = exc, {}, {}, "", []
-
-    def sync(self) -> None:
-        pass
-
-    def get_var(self, name: str):
-        raise self.error
+    stream = Stream(None)
+    stream.error = exc
+    return ProgramState(stream)
 
 
 def _progress(total: int, enabled: bool, name: str):

@@ -72,8 +72,12 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         shape = (num_slots + 1, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised (zero-filling gigabytes costs seconds at start-up): a slot is always written before it is
+        # read, except the dummy slot 0 that padding reads, which must hold finite values.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k + self.v:
+            buf[0].zero_()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][slots] = k
