@@ -367,6 +367,41 @@ def _run_batch(args) -> int:
 
 
 # ---- argument parsing -------------------------------------------------------------------------------------------
+def _compile(args) -> int:
+    """Print the program's graph (text, DOT, Mermaid or JSON) and, for text, the compiler's report as comments."""
+    from lmc.frontend.chat_template import ChatTemplate
+    from lmc.frontend.tracer import TraceError
+    from lmc.ir.export import to_dot, to_json, to_mermaid
+    from lmc.ir.text import print_graph
+
+    path, prog = _load(args)
+    concrete = {k: v for k, v in _parse_args(args.arg).items() if not isinstance(v, str)}
+    compiled = prog.compile(hoist=args.hoist != "off")
+    try:
+        g = compiled.graph(**concrete)
+    except TraceError as e:
+        print(f"lmc: tracing {prog.__name__} failed at {e}", file=sys.stderr)
+        return 1
+    emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid, "json": to_json}[args.emit]
+    sys.stdout.write(emit(g))
+    if args.emit == "text":
+        tokenizer = _tokenizer(args.model)
+        report = compiled.report(template=ChatTemplate.from_tokenizer(tokenizer), tokenizer=tokenizer, **concrete)
+        for key, value in report.items():
+            print(f"# {key}: {json.dumps(value)}")
+    return 0
+
+
+def _tokenizer(model: str):
+    """The model's tokenizer alone (no weights): token counts and the chat template for the report."""
+    from transformers import AutoTokenizer
+
+    from lmc.runtime.model.loader import resolve
+
+    src = resolve(model)
+    return AutoTokenizer.from_pretrained(src.tokenizer_dir) if src.tokenizer_dir else None
+
+
 def _add_program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", metavar="prog.py[:name]",
                    help="a Python file defining @lmc.function programs; :name picks one when it defines several")
@@ -416,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-o", "--output", required=True, help="output JSONL (resumed when it exists)")
     b.add_argument("--num-threads", type=int, default=32, help="programs in flight at once (default 32)")
     b.set_defaults(fn=_run_batch)
+    c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
+    c.add_argument("program", help="prog.py or prog.py:name")
+    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json"], default="text")
+    c.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a non-text argument to specialise the graph on (text arguments stay symbolic)")
+    c.add_argument("--hoist", choices=["safe", "off"], default="safe")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer and chat template for the report")
+    c.add_argument("--backend", default="local", help=argparse.SUPPRESS)
+    c.set_defaults(fn=_compile)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -42,6 +42,22 @@ def flush_cache(backend=None) -> bool:
     return b.flush_cache()
 
 
+def resolve_backend(backend=None):
+    """The given backend, else the calling program's (nested calls), else the default one."""
+    caller = _caller.get()
+    backend = backend or (caller[0] if caller else None) or _default_backend
+    if backend is None:
+        raise RuntimeError("no backend: pass backend=... or call lmc.set_default_backend(lmc.Local())")
+    return backend
+
+
+def resolve_defaults(sampling: dict) -> GenParams:
+    """Program-level sampling defaults: the given ones over the calling program's (or SGLang's defaults)."""
+    caller = _caller.get()
+    explicit = {k: v for k, v in sampling.items() if v is not None}
+    return GenParams(**explicit).merged_over(caller[1] if caller else DEFAULT_PARAMS)
+
+
 class BatchAborted(RuntimeError):
     """A program of a run_batch that was not started because max_errors was reached."""
 
@@ -73,12 +89,10 @@ class Program:
     def _start(self, args: tuple, kwargs: dict, sampling: dict, backend, stream: bool = False) -> ProgramState:
         """Create the stream and run the body (in this thread, or a new one when streaming). Does not wait for
         the queued work."""
-        caller = _caller.get()
-        backend = backend or (caller[0] if caller else None) or _default_backend
-        if backend is None:
-            raise RuntimeError("no backend: pass backend=... or call lmc.set_default_backend(lmc.Local())")
-        explicit = {k: v for k, v in sampling.items() if v is not None}
-        defaults = GenParams(**explicit).merged_over(caller[1] if caller else DEFAULT_PARAMS)
+        from .tracer import nested_call_while_tracing
+
+        nested_call_while_tracing(self)
+        backend, defaults = resolve_backend(backend), resolve_defaults(sampling)
         state = ProgramState(Stream(backend, defaults, stream, self.num_api_spec_tokens))
         arguments = self._arguments(args, kwargs)
 
@@ -178,6 +192,12 @@ class Program:
         if not return_exceptions:
             results = [r if isinstance(r, ProgramState) else _failed_state(r) for r in results]
         return results
+
+    def compile(self, hoist: bool = True, fork_commit: bool = True):
+        """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch)."""
+        from .compiled import CompiledProgram
+
+        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit)
 
     async def arun(self, *args, **kwargs) -> ProgramState:
         return await asyncio.to_thread(self.run, *args, **kwargs)

@@ -47,6 +47,13 @@ class VarScopeEnd(Expr):
         self.name = name
 
 
+class VarRead(Expr):
+    """Append the current value of a variable (what a traced `s["x"]` inside text becomes)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
 class Commit(Expr):
     """Hint: prefill the stream's text now (before a fork), so branches share one cached prefix."""
 
@@ -188,6 +195,8 @@ class Stream:
             self.scopes[e.name] = len(self.text)
         elif isinstance(e, VarScopeEnd):
             self._set(e.name, self.text[self.scopes.pop(e.name):], None)
+        elif isinstance(e, VarRead):
+            self._append(str(self.vars[e.name]))
         elif isinstance(e, Commit):
             await self.backend.commit(self.text)
         elif isinstance(e, ConcatAppend):

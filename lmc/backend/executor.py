@@ -1,0 +1,119 @@
+"""Plan executor: runs a traced ProgramGraph directly, one coroutine per program instance on the frontend loop.
+
+No program body runs: each instance walks its graph and queues the nodes' expressions on its streams, so every
+instance of a batch is in flight at once and the engine's scheduler sees the whole frontier. It blocks only where
+the graph says it must: a fork (the parent's text must be complete), a join, and a branch (it needs the value).
+"""
+from __future__ import annotations
+
+import asyncio
+
+from ..frontend import choices as choice_methods
+from ..frontend.primitives import Gen, GenParams, RoleBegin, RoleEnd, Select, Text
+from ..frontend.state import Commit, ConcatAppend, ProgramState, Stream, VarRead, VarScopeBegin, VarScopeEnd
+from ..ir import ProgramGraph
+
+_METHODS = {type(m).__name__: m for m in (choice_methods.token_length_normalized,
+                                          choice_methods.greedy_token_selection,
+                                          choice_methods.unconditional_likelihood_normalized)}
+_DTYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _expr(g: ProgramGraph, nid: int, args: dict):
+    node = g.node(nid)
+    a = node.attrs
+    if node.kind == "text":
+        return Text(a["value"])
+    if node.kind == "arg":
+        return Text(str(args[a["name"]]))
+    if node.kind == "var":
+        return VarRead(a["name"])
+    if node.kind == "gen":
+        params = dict(a["params"])
+        if "dtype" in params:
+            params["dtype"] = _DTYPES[params["dtype"]]
+        return Gen(a["name"], GenParams(**params))
+    if node.kind == "select":
+        return Select(a["name"], list(a["choices"]), a["temperature"], _METHODS[a["method"]])
+    if node.kind == "role_begin":
+        return RoleBegin(a["role"])
+    if node.kind == "role_end":
+        return RoleEnd(a["role"])
+    if node.kind == "var_scope":
+        return (VarScopeBegin if a["edge"] == "begin" else VarScopeEnd)(a["name"])
+    raise ValueError(f"%{nid}: the executor cannot run a {node.kind} node")
+
+
+def _holds(value, op: str, expected) -> bool:
+    *transforms, test = op.split("|")
+    for t in transforms:
+        value = getattr(str(value), t)()
+    if test == "==":
+        return value == expected
+    if test == "contains":
+        return expected in value
+    if test == "startswith":
+        return str(value).startswith(expected)
+    if test == "endswith":
+        return str(value).endswith(expected)
+    if test == "nonempty":
+        return bool(value)
+    raise ValueError(f"unknown branch test {op!r}")
+
+
+async def _idle(stream: Stream) -> None:
+    await asyncio.wrap_future(stream.when_idle())
+
+
+async def _walk(g: ProgramGraph, start: int | None, stream: Stream, args: dict, commits: dict[int, str]) -> None:
+    nid = start
+    while nid is not None:
+        node = g.node(nid)
+        nxt = g.successors(nid, "order")
+        if node.kind == "fork":
+            await _idle(stream)
+            if node.attrs["size"] > 1 and stream.text:
+                await stream.backend.commit(stream.text + commits.get(nid, ""))
+            children = [stream.child() for _ in g.successors(nid, "fork")]
+            await asyncio.gather(*(
+                _walk(g, (g.successors(item, "order") or [(None, None)])[0][0], child, args, commits)
+                for (item, _), child in zip(g.successors(nid, "fork"), children)))
+            join = nxt[0][0]
+            await _join(g.node(join).attrs["mode"], stream, children)
+            nid = (g.successors(join, "order") or [(None, None)])[0][0]
+            continue
+        if node.kind == "branch":
+            await _idle(stream)
+            if stream.error is not None:
+                return
+            taken = "true" if _holds(stream.vars.get(node.attrs["var"]), node.attrs["op"], node.attrs["value"]) \
+                else "false"
+            nid = next((d for d, a in nxt if a.get("when") == taken), None)
+            continue
+        if node.kind != "fork_item":
+            stream.submit(_expr(g, nid, args))
+        nid = nxt[0][0] if nxt else None
+
+
+async def _join(mode: str, parent: Stream, children: list[Stream]) -> None:
+    for c in children:
+        await _idle(c)
+    if mode == "gather_variable":
+        inherited = set(parent.vars)
+        for c in children:
+            if c.error is not None and parent.error is None:
+                parent.error = c.error
+        for k in dict.fromkeys(k for c in children for k in c.vars if k not in inherited):
+            parent.vars[k] = [c.vars.get(k) for c in children]
+            parent.meta[k] = [c.meta.get(k) for c in children]
+    else:
+        parent.submit(ConcatAppend(children))
+
+
+async def run_graph(g: ProgramGraph, args: dict, backend, defaults: GenParams,
+                    commits: dict[int, str]) -> ProgramState:
+    stream = Stream(backend, defaults)
+    roots = [r for r in g.roots() if g.node(r).stream == 0]
+    await _walk(g, roots[0] if roots else None, stream, args, commits)
+    await _idle(stream)
+    return ProgramState(stream)

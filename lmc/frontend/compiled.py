@@ -1,0 +1,114 @@
+"""Compiled programs: `prog.compile()` traces the program into a ProgramGraph, runs the passes, and executes the
+graph with the plan executor (lmc.backend.executor). A graph with a dynamic region runs in the interpreter, with
+the hints the passes could still give (the batch's constant prefix prefilled once)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..ir import ProgramGraph
+from ..passes import constant_prefix, fork_commit_texts
+from .program import Program, _failed_state, _progress, resolve_backend, resolve_defaults
+from .state import ProgramState, frontend_loop
+from .tracer import trace
+
+
+class CompiledProgram:
+    def __init__(self, program: Program, hoist: bool = True, fork_commit: bool = True):
+        self.program, self.hoist, self.fork_commit = program, hoist, fork_commit
+        self._graphs: dict[Any, ProgramGraph] = {}
+
+    def __repr__(self) -> str:
+        return f"<compiled {self.program!r}>"
+
+    def graph(self, **concrete) -> ProgramGraph:
+        """The graph for these non-text arguments (loop counts, lists): one trace per distinct value set."""
+        key = repr(sorted(concrete.items()))
+        if key not in self._graphs:
+            self._graphs[key] = trace(self.program, **concrete)
+        return self._graphs[key]
+
+    def _split(self, kwargs: dict) -> tuple[dict, dict]:
+        """(concrete, symbolic) arguments: text stays symbolic, anything else specialises the graph."""
+        concrete = {k: v for k, v in kwargs.items() if not isinstance(v, str)}
+        return concrete, {k: v for k, v in kwargs.items() if isinstance(v, str)}
+
+    def report(self, template=None, tokenizer=None, **concrete) -> dict:
+        """What the compiler found and did, in numbers (token counts when a tokenizer is given)."""
+        g = self.graph(**concrete)
+        tmpl = template or resolve_backend(None).chat_template
+        dynamic = [g.node(n).attrs for n in g.order() if g.node(n).kind == "dynamic"]
+        static_nodes = len(g) - len(dynamic)
+        prefix = constant_prefix(g, tmpl) if self.hoist else ""
+        commits = fork_commit_texts(g, tmpl) if self.fork_commit else {}
+        count = (lambda t: len(tokenizer.encode(t))) if tokenizer is not None else len
+        unit = "tokens" if tokenizer is not None else "chars"
+        return {"nodes": len(g), "static": not dynamic, "static_nodes": static_nodes, "dynamic": dynamic,
+                "branches": g.count("branch"), "forks": g.count("fork"),
+                "prefix_hoist": {f"batch_prefix_{unit}": count(prefix) if prefix else 0,
+                                 f"fork_shared_{unit}": {f"%{k}": count(v) if v else 0 for k, v in commits.items()}}}
+
+    # ---- running -------------------------------------------------------------------------------------------
+    def run(self, *args, backend=None, **kwargs) -> ProgramState:
+        sampling = {k: kwargs.pop(k) for k in list(kwargs) if k not in self.program.arg_names}
+        states = self.run_batch([self.program._arguments(args, kwargs)], backend=backend, **sampling)
+        if states[0].error() is not None:
+            raise states[0].error()
+        return states[0]
+
+    def run_batch(self, batch_kwargs: list, *, backend=None, progress_bar: bool = False,
+                  return_exceptions: bool = False, **sampling) -> list:
+        items = [self.program._arguments(tuple(b), {}) if isinstance(b, (list, tuple)) else
+                 self.program._arguments((), dict(b)) for b in batch_kwargs]
+        if not items:
+            return []
+        backend = resolve_backend(backend)
+        groups: dict[str, list[int]] = {}
+        for i, kw in enumerate(items):
+            groups.setdefault(repr(sorted(self._split(kw)[0].items())), []).append(i)
+        results: list = [None] * len(items)
+        progress = _progress(len(items), progress_bar, self.program.__name__)
+        for idx in groups.values():
+            concrete, _ = self._split(items[idx[0]])
+            g = self.graph(**concrete)
+            if g.static():
+                coro = self._run_static(g, [items[i] for i in idx], backend, sampling, progress)
+                outs = asyncio.run_coroutine_threadsafe(coro, frontend_loop()).result()
+            else:
+                self._commit_prefix(g, backend)
+                outs = self.program.run_batch([items[i] for i in idx], backend=backend, return_exceptions=True,
+                                              **sampling)
+                progress.update(len(idx))
+            for i, out in zip(idx, outs):
+                results[i] = out
+        progress.close()
+        if not return_exceptions:
+            results = [r if isinstance(r, ProgramState) else _failed_state(r) for r in results]
+        else:
+            results = [r.error() if isinstance(r, ProgramState) and r.error() is not None else r for r in results]
+        return results
+
+    async def arun_batch(self, batch_kwargs: list, **kwargs) -> list:
+        return await asyncio.to_thread(self.run_batch, batch_kwargs, **kwargs)
+
+    def _commit_prefix(self, g: ProgramGraph, backend) -> None:
+        prefix = constant_prefix(g, backend.chat_template) if self.hoist else ""
+        if prefix:
+            asyncio.run_coroutine_threadsafe(backend.commit(prefix), frontend_loop()).result()
+
+    async def _run_static(self, g: ProgramGraph, items: list[dict], backend, sampling: dict, progress) -> list:
+        from ..backend.executor import run_graph
+
+        defaults = resolve_defaults(sampling)
+        commits = fork_commit_texts(g, backend.chat_template) if self.fork_commit else {}
+        prefix = constant_prefix(g, backend.chat_template) if self.hoist and len(items) > 1 else ""
+        if prefix:
+            await backend.commit(prefix)  # prefilled once; every instance then finds it cached
+
+        async def one(kw):
+            try:
+                return await run_graph(g, {k: v for k, v in kw.items()}, backend, defaults, commits)
+            finally:
+                progress.update()
+
+        return await asyncio.gather(*(one(kw) for kw in items), return_exceptions=True)

@@ -1,0 +1,131 @@
+"""ProgramGraph: an LM program as a networkx DAG.
+
+Nodes (kind -> attributes) follow the SGLang paper's IR plus what data-dependent control flow needs:
+    text{value}  arg{name}  gen{name, params}  select{name, choices, method, temperature}  var{name}
+    fork{size}  fork_item{index}  join{mode}  role_begin{role}  role_end{role}  image{source}
+    var_scope{name, edge: begin|end}  call{program, args}  branch{var, op, value}  dynamic{reason, line}
+Every node belongs to a stream (an integer; 0 is the program's main stream, forks open new ones).
+Edges have a kind: `order` (next operation of the same stream; out of a branch it also carries `when`, the
+outcome that takes it), `data` (a var node reads what a gen/select produced), `fork` (fork -> each branch's
+fork_item, and each branch's last node -> the join).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import networkx as nx
+
+NODE_KINDS: dict[str, tuple[str, ...]] = {
+    "text": ("value",), "arg": ("name",), "gen": ("name", "params"),
+    "select": ("name", "choices", "method", "temperature"), "var": ("name",), "fork": ("size",),
+    "fork_item": ("index",), "join": ("mode",), "role_begin": ("role",), "role_end": ("role",),
+    "image": ("source",), "var_scope": ("name", "edge"), "call": ("program", "args"),
+    "branch": ("var", "op", "value"), "dynamic": ("reason", "line"),
+}
+EDGE_KINDS = ("order", "data", "fork")
+
+
+class IRValidationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Node:
+    kind: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    stream: int = 0
+
+
+class ProgramGraph:
+    def __init__(self, name: str = "program", params: tuple[str, ...] = ()):
+        self.name, self.params = name, tuple(params)
+        self.g = nx.DiGraph()
+        self._next = 0
+
+    # ---- building ------------------------------------------------------------------------------------------
+    def add(self, kind: str, stream: int = 0, after: int | None = None, node_id: int | None = None,
+            **attrs) -> int:
+        """Add a node (optionally with an `order` edge from `after`); returns its id."""
+        if kind not in NODE_KINDS:
+            raise IRValidationError(f"unknown node kind {kind!r}; kinds: {sorted(NODE_KINDS)}")
+        nid = self._next if node_id is None else node_id
+        self._next = max(self._next, nid + 1)
+        self.g.add_node(nid, node=Node(kind, dict(attrs), stream))
+        if after is not None:
+            self.connect(after, nid, "order")
+        return nid
+
+    def connect(self, src: int, dst: int, kind: str = "order", when: str | None = None) -> None:
+        if kind not in EDGE_KINDS:
+            raise IRValidationError(f"unknown edge kind {kind!r}; kinds: {EDGE_KINDS}")
+        attrs = {"kind": kind}
+        if when is not None:
+            attrs["when"] = when
+        self.g.add_edge(src, dst, **attrs)
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def node(self, nid: int) -> Node:
+        return self.g.nodes[nid]["node"]
+
+    def __len__(self) -> int:
+        return self.g.number_of_nodes()
+
+    def order(self) -> list[int]:
+        """Node ids in a deterministic topological order (smallest id first among ready nodes)."""
+        return list(nx.lexicographical_topological_sort(self.g))
+
+    def edges(self) -> Iterator[tuple[int, int, dict]]:
+        return iter(sorted(self.g.edges(data=True), key=lambda e: (e[0], e[1])))
+
+    def successors(self, nid: int, kind: str = "order") -> list[tuple[int, dict]]:
+        return sorted(((d, a) for _, d, a in self.g.out_edges(nid, data=True) if a["kind"] == kind),
+                      key=lambda x: x[0])
+
+    def predecessors(self, nid: int, kind: str | None = None) -> list[int]:
+        return sorted(s for s, _, a in self.g.in_edges(nid, data=True) if kind is None or a["kind"] == kind)
+
+    def roots(self) -> list[int]:
+        return sorted(n for n in self.g.nodes if self.g.in_degree(n) == 0)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for n in self.g.nodes if self.node(n).kind == kind)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ProgramGraph):
+            return NotImplemented
+        return (self.name, self.params) == (other.name, other.params) and \
+            {n: self.node(n) for n in self.g.nodes} == {n: other.node(n) for n in other.g.nodes} and \
+            list(self.edges()) == list(other.edges())
+
+    # ---- checks --------------------------------------------------------------------------------------------
+    def validate(self) -> "ProgramGraph":
+        """Clear errors for what no executor could run."""
+        if not nx.is_directed_acyclic_graph(self.g):
+            cycle = nx.find_cycle(self.g)
+            raise IRValidationError(f"the graph has a cycle: {' -> '.join(f'%{a}' for a, _ in cycle)}")
+        produced: set[str] = set()
+        texts_before: dict[int, bool] = {}
+        for nid in self.order():
+            node = self.node(nid)
+            missing = [a for a in NODE_KINDS[node.kind] if a not in node.attrs]
+            if missing:
+                raise IRValidationError(f"%{nid} ({node.kind}) lacks attribute(s) {missing}")
+            preds = self.predecessors(nid, "order") + self.predecessors(nid, "fork")
+            texts_before[nid] = node.kind in ("text", "arg", "var", "gen", "select", "role_begin") or \
+                any(texts_before[p] for p in preds)
+            if node.kind == "fork" and not any(texts_before[p] for p in preds):
+                raise IRValidationError(f"%{nid}: fork before any text (a fork shares its parent's prefix)")
+            if node.kind in ("gen", "select") and node.attrs["name"] is not None:
+                produced.add(node.attrs["name"])
+            if node.kind == "var_scope" and node.attrs["edge"] == "end":
+                produced.add(node.attrs["name"])
+            if node.kind == "var" and node.attrs["name"] not in produced:
+                raise IRValidationError(f"%{nid} reads variable {node.attrs['name']!r}, which no earlier node defines")
+            if node.kind == "arg" and node.attrs["name"] not in self.params:
+                raise IRValidationError(f"%{nid} reads argument {node.attrs['name']!r}, not a parameter of "
+                                        f"{self.name}({', '.join(self.params)})")
+        return self
+
+    def static(self) -> bool:
+        return self.count("dynamic") == 0
