@@ -8,7 +8,7 @@ from .frontend.choices import (ChoicesDecision, ChoicesSamplingMethod, greedy_to
                                token_length_normalized, unconditional_likelihood_normalized)
 from .frontend.primitives import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, assistant, assistant_begin,
                                   assistant_end, gen, gen_int, gen_string, image, select, system, system_begin,
-                                  system_end, user, user_begin, user_end)
+                                  system_end, unordered, user, user_begin, user_end)
 from .frontend.program import (BatchAborted, Program, flush_cache, function, get_default_backend,
                                set_default_backend)
 from .frontend.state import ProgramState, ProgramStateGroup
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Local", "function", "Program", "ProgramState", "ProgramStateGroup", "gen", "gen_int", "gen_string", "select",
-    "image", "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
+    "image", "unordered", "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end", "set_default_backend", "get_default_backend", "flush_cache",
     "BatchAborted", "ChoicesDecision", "ChoicesSamplingMethod", "token_length_normalized", "greedy_token_selection",
     "unconditional_likelihood_normalized", "REGEX_INT", "REGEX_FLOAT", "REGEX_BOOL", "REGEX_STR",

@@ -376,7 +376,7 @@ def _compile(args) -> int:
 
     path, prog = _load(args)
     concrete = {k: v for k, v in _parse_args(args.arg).items() if not isinstance(v, str)}
-    compiled = prog.compile(hoist=args.hoist != "off")
+    compiled = prog.compile(hoist=args.hoist)
     try:
         g = compiled.graph(**concrete)
     except TraceError as e:
@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--emit", choices=["text", "dot", "mermaid", "json"], default="text")
     c.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a non-text argument to specialise the graph on (text arguments stay symbolic)")
-    c.add_argument("--hoist", choices=["safe", "off"], default="safe")
+    c.add_argument("--hoist", choices=["safe", "aggressive", "off"], default="safe",
+                   help="aggressive also applies the moves reported as suggestions (they change prompts)")
     c.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer and chat template for the report")
     c.add_argument("--backend", default="local", help=argparse.SUPPRESS)
     c.set_defaults(fn=_compile)

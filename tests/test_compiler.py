@@ -206,3 +206,62 @@ def test_compiled_equals_interpreted(engine, name):
     compiled = prog.compile().run(backend=backend, temperature=0, **ARGS[name])
     assert compiled.variables() == interpreted.variables()
     assert compiled.text() == interpreted.text()
+
+
+# ---- passes ----------------------------------------------------------------------------------------------------
+@sgl.function
+def retrieval(s, doc_a, question):
+    s += "Documents:\n" + sgl.unordered("Doc about cats.\n", "Doc about bees.\n", "Doc about ants.\n")
+    s += "Question: " + question + "\nAnswer briefly." + sgl.gen("answer", max_tokens=8)
+
+
+def test_unordered_segments_become_canonical_and_shared(engine):
+    from lmc.frontend.chat_template import ChatTemplate
+    from lmc.passes import constant_prefix
+
+    compiled = retrieval.compile()
+    g = compiled.graph()
+    assert constant_prefix(g, ChatTemplate.plain()) == \
+        "Documents:\nDoc about ants.\nDoc about bees.\nDoc about cats.\nQuestion: "
+    assert retrieval.compile(hoist="off").graph().node(1).attrs["canonical"] is False
+    st = compiled.run(doc_a="x", question="Which insects?", backend=sgl.Local(engine=engine), temperature=0)
+    assert st.text().startswith("Documents:\nDoc about ants.")
+    interp = retrieval.run(doc_a="x", question="Which insects?", backend=sgl.Local(engine=engine), temperature=0)
+    assert interp.text().startswith("Documents:\nDoc about cats.")  # the interpreter keeps the written order
+
+
+def test_instruction_after_the_question_is_a_suggestion_until_aggressive():
+    safe = retrieval.compile()
+    safe.graph()
+    assert [x["text"] for x in safe.pass_stats["suggestions"]] == ["\nAnswer briefly."]
+    aggressive = retrieval.compile(hoist="aggressive").graph()
+    texts = [aggressive.node(n).attrs.get("value") for n in aggressive.order() if aggressive.node(n).kind == "text"]
+    assert texts.index("\nAnswer briefly.") < texts.index("Question: ") + 2  # moved before the argument
+    kinds = [aggressive.node(n).kind for n in aggressive.order()]
+    assert kinds.index("arg") > max(i for i, n in enumerate(aggressive.order())
+                                    if aggressive.node(n).attrs.get("value") == "\nAnswer briefly.")
+
+
+@sgl.function(num_api_spec_tokens=64)
+def profile(s, name):
+    s += "Name: " + name + "\nBorn:" + sgl.gen("born", max_tokens=8, stop="\n")
+    s += "\nJob:" + sgl.gen("job", max_tokens=8, stop="\n") + "\nCity:" + sgl.gen("city", max_tokens=8, stop="\n")
+
+
+def test_api_speculation_groups_consecutive_gens():
+    from lmc.passes.api_speculation import plan_speculation
+
+    g = profile.compile().graph()
+    gens = [n for n in g.order() if g.node(n).kind == "gen"]
+    assert plan_speculation(g, chat=False) == [gens] and plan_speculation(g, chat=True) == []
+
+
+def test_cost_model_counts_calls_and_cached_tokens(tokenizer):
+    from lmc.frontend.chat_template import ChatTemplate
+
+    report = profile.compile().report(template=ChatTemplate.plain(), tokenizer=tokenizer,
+                                      examples=[{"name": "Ada"}, {"name": "Alan"}])
+    cost = report["cost"]
+    assert cost["no_cache"]["calls"] == 6 and cost["no_cache"]["cached_tokens"] == 0
+    assert cost["radix_cache"]["cached_tokens"] > 0
+    assert cost["radix_cache"]["prompt_tokens"] == cost["no_cache"]["prompt_tokens"]

@@ -39,6 +39,9 @@ def _expr(g: ProgramGraph, nid: int, args: dict):
         return RoleBegin(a["role"])
     if node.kind == "role_end":
         return RoleEnd(a["role"])
+    if node.kind == "unordered":
+        segments = ["".join(p["text"] if "text" in p else str(args[p["arg"]]) for p in seg) for seg in a["segments"]]
+        return Text("".join(sorted(segments) if a["canonical"] else segments))
     if node.kind == "var_scope":
         return (VarScopeBegin if a["edge"] == "begin" else VarScopeEnd)(a["name"])
     raise ValueError(f"%{nid}: the executor cannot run a {node.kind} node")

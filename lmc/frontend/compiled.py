@@ -8,15 +8,22 @@ from typing import Any
 
 from ..ir import ProgramGraph
 from ..passes import constant_prefix, fork_commit_texts
+from ..passes.api_speculation import plan_speculation
+from ..passes.cost import estimate
+from ..passes.prefix_hoist import apply_aggressive_hoist, canonicalize_unordered, hoist_suggestions
 from .program import Program, _failed_state, _progress, resolve_backend, resolve_defaults
 from .state import ProgramState, frontend_loop
 from .tracer import trace
 
 
 class CompiledProgram:
-    def __init__(self, program: Program, hoist: bool = True, fork_commit: bool = True):
-        self.program, self.hoist, self.fork_commit = program, hoist, fork_commit
+    def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True):
+        if hoist not in ("off", "safe", "aggressive"):
+            raise ValueError(f"hoist must be 'off', 'safe' or 'aggressive', not {hoist!r}")
+        self.program, self.hoist, self.fork_commit = program, hoist != "off", fork_commit
+        self.hoist_mode = hoist
         self._graphs: dict[Any, ProgramGraph] = {}
+        self.pass_stats: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"<compiled {self.program!r}>"
@@ -25,7 +32,13 @@ class CompiledProgram:
         """The graph for these non-text arguments (loop counts, lists): one trace per distinct value set."""
         key = repr(sorted(concrete.items()))
         if key not in self._graphs:
-            self._graphs[key] = trace(self.program, **concrete)
+            g = trace(self.program, **concrete)
+            self.pass_stats = {"suggestions": hoist_suggestions(g)}
+            if self.hoist:
+                self.pass_stats["unordered_canonicalised"] = canonicalize_unordered(g)
+            if self.hoist_mode == "aggressive":
+                self.pass_stats["hoisted_nodes"] = apply_aggressive_hoist(g)
+            self._graphs[key] = g
         return self._graphs[key]
 
     def _split(self, kwargs: dict) -> tuple[dict, dict]:
@@ -33,8 +46,9 @@ class CompiledProgram:
         concrete = {k: v for k, v in kwargs.items() if not isinstance(v, str)}
         return concrete, {k: v for k, v in kwargs.items() if isinstance(v, str)}
 
-    def report(self, template=None, tokenizer=None, **concrete) -> dict:
-        """What the compiler found and did, in numbers (token counts when a tokenizer is given)."""
+    def report(self, template=None, tokenizer=None, examples: list[dict] | None = None, **concrete) -> dict:
+        """What the compiler found and did, in numbers (token counts when a tokenizer is given; the cost model
+        replays `examples`, or two placeholder instances)."""
         g = self.graph(**concrete)
         tmpl = template or resolve_backend(None).chat_template
         dynamic = [g.node(n).attrs for n in g.order() if g.node(n).kind == "dynamic"]
@@ -43,10 +57,25 @@ class CompiledProgram:
         commits = fork_commit_texts(g, tmpl) if self.fork_commit else {}
         count = (lambda t: len(tokenizer.encode(t))) if tokenizer is not None else len
         unit = "tokens" if tokenizer is not None else "chars"
-        return {"nodes": len(g), "static": not dynamic, "static_nodes": static_nodes, "dynamic": dynamic,
-                "branches": g.count("branch"), "forks": g.count("fork"),
-                "prefix_hoist": {f"batch_prefix_{unit}": count(prefix) if prefix else 0,
-                                 f"fork_shared_{unit}": {f"%{k}": count(v) if v else 0 for k, v in commits.items()}}}
+        report = {"nodes": len(g), "static": not dynamic, "static_nodes": static_nodes, "dynamic": dynamic,
+                  "branches": g.count("branch"), "forks": g.count("fork"),
+                  "prefix_hoist": {f"batch_prefix_{unit}": count(prefix) if prefix else 0,
+                                   f"fork_shared_{unit}": {f"%{k}": count(v) if v else 0 for k, v in commits.items()},
+                                   "unordered_canonicalised": self.pass_stats.get("unordered_canonicalised", 0),
+                                   "suggestions": [{"node": f"%{x['node']}", "text": x["text"],
+                                                    f"shareable_{unit}": count(x["text"])}
+                                                   for x in self.pass_stats.get("suggestions", [])]},
+                  "api_speculation": {"completion_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, False)],
+                                      "chat_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, True)]}}
+        if tokenizer is not None:
+            tok = lambda t: tokenizer.encode(t)  # noqa: E731
+            inst = examples or [{}, {}]
+            report["cost"] = {
+                "no_cache": estimate(g, tmpl, tok, inst, cache=False).as_dict(),
+                "radix_cache": estimate(g, tmpl, tok, inst).as_dict(),
+                "radix_cache_and_passes": estimate(g, tmpl, tok, inst, batch_prefix=prefix,
+                                                   fork_commits=commits).as_dict()}
+        return report
 
     # ---- running -------------------------------------------------------------------------------------------
     def run(self, *args, backend=None, **kwargs) -> ProgramState:

@@ -127,6 +127,21 @@ class RoleEnd(Expr):
 
 
 @dataclass(eq=False)
+class Unordered(Expr):
+    """Segments whose order the author declares irrelevant (few-shot examples, retrieved documents). The
+    interpreter keeps the written order; the compiler may put them in one canonical order across instances, so
+    that they become a shared prefix."""
+
+    segments: list[str]
+
+
+def unordered(*segments: str) -> Unordered:
+    if not segments or not all(isinstance(x, str) for x in segments):
+        raise ValueError("unordered() takes one or more strings")
+    return Unordered(list(segments))
+
+
+@dataclass(eq=False)
 class Image(Expr):
     data: bytes  # encoded image file (PNG/JPEG)
     mime: str = "image/png"

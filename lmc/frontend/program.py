@@ -193,8 +193,9 @@ class Program:
             results = [r if isinstance(r, ProgramState) else _failed_state(r) for r in results]
         return results
 
-    def compile(self, hoist: bool = True, fork_commit: bool = True):
-        """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch)."""
+    def compile(self, hoist: str = "safe", fork_commit: bool = True):
+        """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
+        "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"."""
         from .compiled import CompiledProgram
 
         return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from .choices import token_length_normalized
 from .primitives import (DEFAULT_PARAMS, Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Text,
-                         _as_expr)
+                         Unordered, _as_expr)
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
@@ -195,6 +195,8 @@ class Stream:
             self.scopes[e.name] = len(self.text)
         elif isinstance(e, VarScopeEnd):
             self._set(e.name, self.text[self.scopes.pop(e.name):], None)
+        elif isinstance(e, Unordered):
+            self._append("".join(e.segments))
         elif isinstance(e, VarRead):
             self._append(str(self.vars[e.name]))
         elif isinstance(e, Commit):

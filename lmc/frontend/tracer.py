@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..ir import ProgramGraph
-from .primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Select, Text, _as_expr
+from .primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Select, Text, Unordered, _as_expr
 
 MAX_PATHS = 16
 _SENTINEL = re.compile("\x00(arg|var):([^\x00]*)\x00")
@@ -206,6 +206,21 @@ class _Tracer:
             self.emit("text", stream, value=text[pos:])
 
 
+def _parts(text: str) -> list[dict]:
+    """A segment as text / argument parts (a generated value inside an order-free segment is not supported)."""
+    text, parts, pos = str.__str__(text), [], 0
+    for m in _SENTINEL.finditer(text):
+        if m.group(1) == "var":
+            raise _Dynamic("a generated value inside unordered()")
+        if m.start() > pos:
+            parts.append({"text": text[pos:m.start()]})
+        parts.append({"arg": m.group(2)})
+        pos = m.end()
+    if pos < len(text):
+        parts.append({"text": text[pos:]})
+    return parts
+
+
 class TraceState:
     """The `s` a traced body writes to: records nodes instead of running them."""
 
@@ -236,6 +251,8 @@ class TraceState:
                 t.emit("role_begin", self._stream, role=e.role)
             elif isinstance(e, RoleEnd):
                 t.emit("role_end", self._stream, role=e.role)
+            elif isinstance(e, Unordered):
+                t.emit("unordered", self._stream, segments=[_parts(x) for x in e.segments], canonical=False)
             elif isinstance(e, Image):
                 raise _Dynamic("image() (its bytes are not part of the graph)")
             else:

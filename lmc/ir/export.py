@@ -17,7 +17,8 @@ def label(g: ProgramGraph, nid: int, width: int = 40) -> str:
               "fork": lambda: str(a["size"]), "fork_item": lambda: str(a["index"]), "join": lambda: a["mode"],
               "role_begin": lambda: a["role"], "role_end": lambda: a["role"], "image": lambda: str(a["source"]),
               "var_scope": lambda: f"{a['edge']} {a['name']}", "call": lambda: a["program"],
-              "branch": lambda: f"{a['var']} {a['op']} {a['value']!r}", "dynamic": lambda: a["reason"]}[node.kind]()
+              "branch": lambda: f"{a['var']} {a['op']} {a['value']!r}", "dynamic": lambda: a["reason"],
+              "unordered": lambda: f"{len(a['segments'])} segments"}[node.kind]()
     detail = detail if len(detail) <= width else detail[:width - 3] + "..."
     return f"%{nid} {node.kind} {detail}"
 

@@ -21,7 +21,7 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "select": ("name", "choices", "method", "temperature"), "var": ("name",), "fork": ("size",),
     "fork_item": ("index",), "join": ("mode",), "role_begin": ("role",), "role_end": ("role",),
     "image": ("source",), "var_scope": ("name", "edge"), "call": ("program", "args"),
-    "branch": ("var", "op", "value"), "dynamic": ("reason", "line"),
+    "branch": ("var", "op", "value"), "dynamic": ("reason", "line"), "unordered": ("segments", "canonical"),
 }
 EDGE_KINDS = ("order", "data", "fork")
 
@@ -112,7 +112,7 @@ class ProgramGraph:
             if missing:
                 raise IRValidationError(f"%{nid} ({node.kind}) lacks attribute(s) {missing}")
             preds = self.predecessors(nid, "order") + self.predecessors(nid, "fork")
-            texts_before[nid] = node.kind in ("text", "arg", "var", "gen", "select", "role_begin") or \
+            texts_before[nid] = node.kind in ("text", "arg", "var", "gen", "select", "role_begin", "unordered") or \
                 any(texts_before[p] for p in preds)
             if node.kind == "fork" and not any(texts_before[p] for p in preds):
                 raise IRValidationError(f"%{nid}: fork before any text (a fork shares its parent's prefix)")

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from ..ir import ProgramGraph
 
-_CONSTANT = ("text", "role_begin", "role_end")
+_CONSTANT = ("text", "role_begin", "role_end", "unordered")
 
 
-def _render(g: ProgramGraph, nid: int, template) -> str:
+def _render(g: ProgramGraph, nid: int, template) -> str | None:
     node = g.node(nid)
     if node.kind == "text":
         return node.attrs["value"]
+    if node.kind == "unordered":
+        if not node.attrs["canonical"] or any("arg" in p for seg in node.attrs["segments"] for p in seg):
+            return None  # instance-dependent order or content
+        return "".join(sorted("".join(p["text"] for p in seg) for seg in node.attrs["segments"]))
     return (template.prefix if node.kind == "role_begin" else template.suffix)[node.attrs["role"]]
 
 
@@ -26,7 +30,10 @@ def _constant_run(g: ProgramGraph, start: int | None, template) -> str:
         node = g.node(nid)
         if node.kind == "role_begin" and node.attrs["role"] != "system" and template.default_system and not out:
             break  # the template may insert its default system turn here: not a constant of the graph
-        out.append(_render(g, nid, template))
+        text = _render(g, nid, template)
+        if text is None:
+            break
+        out.append(text)
         nxt = g.successors(nid, "order")
         nid = nxt[0][0] if len(nxt) == 1 and "when" not in nxt[0][1] else None
     return "".join(out)
@@ -55,3 +62,64 @@ def fork_commit_texts(g: ProgramGraph, template) -> dict[int, str]:
             common = common[:k]
         out[nid] = common
     return out
+
+
+def canonicalize_unordered(g: ProgramGraph) -> int:
+    """Segments the author marked order-free are put in one canonical (sorted) order: provably safe, since the
+    author declared the order irrelevant. Returns how many groups were canonicalised."""
+    n = 0
+    for nid in g.g.nodes:
+        node = g.node(nid)
+        if node.kind == "unordered" and not node.attrs["canonical"]:
+            node.attrs["canonical"] = True
+            n += 1
+    return n
+
+
+def hoist_suggestions(g: ProgramGraph) -> list[dict]:
+    """Constant text placed after an argument inside one prompt (the paper's "instruction after the question"):
+    moving it before the argument would make it shareable across instances, but changes the prompt, so it is
+    only a suggestion unless hoisting is aggressive."""
+    out = []
+    for run in _prompt_runs(g):
+        seen_arg = False
+        for nid in run:
+            kind = g.node(nid).kind
+            seen_arg |= kind in ("arg", "var")
+            if kind == "text" and seen_arg and g.node(nid).attrs["value"].strip():
+                out.append({"node": nid, "text": g.node(nid).attrs["value"]})
+    return out
+
+
+def apply_aggressive_hoist(g: ProgramGraph) -> int:
+    """Reorder each prompt run so its constant text comes before its arguments (opt-in: changes prompts)."""
+    moved = 0
+    for run in _prompt_runs(g):
+        consts = [n for n in run if g.node(n).kind == "text"]
+        others = [n for n in run if g.node(n).kind != "text"]
+        first_other = next((i for i, n in enumerate(run) if g.node(n).kind != "text"), len(run))
+        if consts == run[:len(consts)]:
+            continue
+        moved += sum(1 for i, n in enumerate(run) if g.node(n).kind == "text" and i > first_other)
+        new = consts + others
+        attrs = [(g.node(n).kind, dict(g.node(n).attrs)) for n in new]
+        for nid, (kind, a) in zip(run, attrs):  # rewrite in place: the chain's edges stay valid
+            g.g.nodes[nid]["node"] = type(g.node(nid))(kind, a, g.node(nid).stream)
+    return moved
+
+
+def _prompt_runs(g: ProgramGraph) -> list[list[int]]:
+    """Maximal chains of text/arg nodes in one stream (a prompt piece between model calls)."""
+    runs, seen = [], set()
+    for nid in g.order():
+        if nid in seen or g.node(nid).kind not in ("text", "arg"):
+            continue
+        run, cur = [], nid
+        while cur is not None and g.node(cur).kind in ("text", "arg") and cur not in seen:
+            run.append(cur)
+            seen.add(cur)
+            nxt = g.successors(cur, "order")
+            cur = nxt[0][0] if len(nxt) == 1 and "when" not in nxt[0][1] and \
+                len(g.predecessors(nxt[0][0], "order")) == 1 else None
+        runs.append(run)
+    return runs

@@ -1,0 +1,106 @@
+"""Cost model: model calls, prefill tokens and cached tokens for a batch of program instances, estimated with
+the real tokenizer by replaying the graph's prompts against a simulated prefix cache.
+
+Arguments take example values (or a placeholder), a gen's output is estimated by `max_new_tokens` filler tokens.
+Graphs with branches are costed along their first outcome; dynamic regions are not costed (reported as such).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import ProgramGraph
+
+
+class _Trie:
+    """Longest cached prefix of a token sequence (a radix tree without values)."""
+
+    def __init__(self):
+        self.root: dict = {}
+
+    def match_insert(self, tokens: list[int]) -> int:
+        node, matched = self.root, 0
+        for t in tokens:
+            if t in node:
+                node, matched = node[t], matched + 1
+            else:
+                break
+        for t in tokens[matched:]:
+            node = node.setdefault(t, {})
+        return matched
+
+
+@dataclass
+class Cost:
+    calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "prefill_tokens": self.prefill_tokens}
+
+
+def estimate(g: ProgramGraph, template, tokenize, instances: list[dict], cache: bool = True,
+             batch_prefix: str = "", fork_commits: dict[int, str] | None = None) -> Cost:
+    cost, trie = Cost(), _Trie()
+
+    def call(prompt: str) -> None:
+        tokens = tokenize(prompt)
+        cost.calls += 1
+        cost.prompt_tokens += len(tokens)
+        hit = trie.match_insert(tokens)
+        cost.cached_tokens += hit if cache else 0
+
+    if batch_prefix:
+        call(batch_prefix)  # the hoisted prefill is a call of its own
+    for i, args in enumerate(instances):
+        args = {**{p: f"<{p} #{i}>" for p in g.params}, **args}  # placeholders differ between instances
+        _walk(g, next((r for r in g.roots() if g.node(r).stream == 0), None), "", args, call, template,
+              fork_commits or {})
+    return cost
+
+
+def _walk(g, nid, text, args, call, template, commits) -> str:
+    while nid is not None:
+        node = g.node(nid)
+        a = node.attrs
+        nxt = g.successors(nid, "order")
+        if node.kind == "text":
+            text += a["value"]
+        elif node.kind == "arg":
+            text += str(args[a["name"]])
+        elif node.kind == "role_begin":
+            text += template.prefix[a["role"]]
+        elif node.kind == "role_end":
+            text += template.suffix[a["role"]]
+        elif node.kind == "unordered":
+            segs = ["".join(p["text"] if "text" in p else str(args.get(p["arg"], "")) for p in seg)
+                    for seg in a["segments"]]
+            text += "".join(sorted(segs) if a["canonical"] else segs)
+        elif node.kind == "gen":
+            call(text)
+            text += " x" * int(a["params"].get("max_new_tokens", 16))
+        elif node.kind == "select":
+            for choice in a["choices"]:
+                call(text + choice)
+            text += a["choices"][0]
+        elif node.kind == "var":
+            text += " x" * 8
+        elif node.kind == "fork":
+            if len(g.successors(nid, "fork")) > 1:
+                call(text + commits.get(nid, ""))  # the fork's commit hint is a prefill call
+            for item, _ in g.successors(nid, "fork"):
+                first = g.successors(item, "order")
+                _walk(g, first[0][0] if first else None, text, args, call, template, commits)
+            join = nxt[0][0]
+            nxt = g.successors(join, "order")
+        elif node.kind == "branch":
+            nxt = [e for e in nxt if e[1].get("when") == "false"] or nxt
+        elif node.kind == "dynamic":
+            return text
+        nid = nxt[0][0] if nxt else None
+    return text
