@@ -68,7 +68,8 @@ async def _idle(stream: Stream) -> None:
     await asyncio.wrap_future(stream.when_idle())
 
 
-async def _walk(g: ProgramGraph, start: int | None, stream: Stream, args: dict, commits: dict[int, str]) -> None:
+async def _walk(g: ProgramGraph, start: int | None, stream: Stream, args: dict, commits: dict[int, str],
+                parallel: bool = True) -> None:
     nid = start
     while nid is not None:
         node = g.node(nid)
@@ -76,11 +77,18 @@ async def _walk(g: ProgramGraph, start: int | None, stream: Stream, args: dict, 
         if node.kind == "fork":
             await _idle(stream)
             if node.attrs["size"] > 1 and stream.text:
-                await stream.backend.commit(stream.text + commits.get(nid, ""))
+                # The hint is not awaited: it reaches the engine before the branches, whose scheduler computes
+                # the prefix once and lets the branches find it cached (in-batch prefix dedup), without a round trip.
+                asyncio.ensure_future(stream.backend.commit(stream.text + commits.get(nid, "")))
             children = [stream.child() for _ in g.successors(nid, "fork")]
-            await asyncio.gather(*(
-                _walk(g, (g.successors(item, "order") or [(None, None)])[0][0], child, args, commits)
-                for (item, _), child in zip(g.successors(nid, "fork"), children)))
+            walks = [_walk(g, (g.successors(item, "order") or [(None, None)])[0][0], child, args, commits, parallel)
+                     for (item, _), child in zip(g.successors(nid, "fork"), children)]
+            if parallel:  # fork batching: every branch is in flight at once
+                await asyncio.gather(*walks)
+            else:
+                for walk, child in zip(walks, children):
+                    await walk
+                    await _idle(child)
             join = nxt[0][0]
             await _join(g.node(join).attrs["mode"], stream, children)
             nid = (g.successors(join, "order") or [(None, None)])[0][0]
@@ -114,9 +122,9 @@ async def _join(mode: str, parent: Stream, children: list[Stream]) -> None:
 
 
 async def run_graph(g: ProgramGraph, args: dict, backend, defaults: GenParams,
-                    commits: dict[int, str]) -> ProgramState:
+                    commits: dict[int, str], parallel_forks: bool = True) -> ProgramState:
     stream = Stream(backend, defaults)
     roots = [r for r in g.roots() if g.node(r).stream == 0]
-    await _walk(g, roots[0] if roots else None, stream, args, commits)
+    await _walk(g, roots[0] if roots else None, stream, args, commits, parallel_forks)
     await _idle(stream)
     return ProgramState(stream)

@@ -17,11 +17,11 @@ from .tracer import trace
 
 
 class CompiledProgram:
-    def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True):
+    def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True):
         if hoist not in ("off", "safe", "aggressive"):
             raise ValueError(f"hoist must be 'off', 'safe' or 'aggressive', not {hoist!r}")
         self.program, self.hoist, self.fork_commit = program, hoist != "off", fork_commit
-        self.hoist_mode = hoist
+        self.hoist_mode, self.fork_batch = hoist, fork_batch
         self._graphs: dict[Any, ProgramGraph] = {}
         self.pass_stats: dict[str, Any] = {}
 
@@ -131,12 +131,12 @@ class CompiledProgram:
         defaults = resolve_defaults(sampling)
         commits = fork_commit_texts(g, backend.chat_template) if self.fork_commit else {}
         prefix = constant_prefix(g, backend.chat_template) if self.hoist and len(items) > 1 else ""
-        if prefix:
-            await backend.commit(prefix)  # prefilled once; every instance then finds it cached
+        if prefix:  # prefilled once, ahead of the instances (a hint: not awaited, it is queued first)
+            asyncio.ensure_future(backend.commit(prefix))
 
         async def one(kw):
             try:
-                return await run_graph(g, {k: v for k, v in kw.items()}, backend, defaults, commits)
+                return await run_graph(g, dict(kw), backend, defaults, commits, self.fork_batch)
             finally:
                 progress.update()
 

@@ -193,12 +193,12 @@ class Program:
             results = [r if isinstance(r, ProgramState) else _failed_state(r) for r in results]
         return results
 
-    def compile(self, hoist: str = "safe", fork_commit: bool = True):
+    def compile(self, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True):
         """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
         "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"."""
         from .compiled import CompiledProgram
 
-        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit)
+        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch)
 
     async def arun(self, *args, **kwargs) -> ProgramState:
         return await asyncio.to_thread(self.run, *args, **kwargs)
