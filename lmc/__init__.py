@@ -1,9 +1,11 @@
 """lmc: an optimizing compiler and runtime for LM programs.
 
 SGLang programs run unchanged with `import lmc as sgl`. Importing lmc needs no torch: the local runtime is
-imported when a `Local` backend is created.
+imported when a `Local` backend is created, the `openai` client when an `OpenAI` backend makes its first call.
 """
+from .backend.endpoint import RuntimeEndpoint
 from .backend.local import Local
+from .backend.openai import OpenAI, Usage, program_usage, total_usage
 from .frontend.choices import (ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection,
                                token_length_normalized, unconditional_likelihood_normalized)
 from .frontend.primitives import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, assistant, assistant_begin,
@@ -16,7 +18,8 @@ from .frontend.state import ProgramState, ProgramStateGroup
 __version__ = "0.1.0"
 
 __all__ = [
-    "Local", "function", "Program", "ProgramState", "ProgramStateGroup", "gen", "gen_int", "gen_string", "select",
+    "Local", "RuntimeEndpoint", "OpenAI", "Usage", "program_usage", "total_usage", "function", "Program",
+    "ProgramState", "ProgramStateGroup", "gen", "gen_int", "gen_string", "select",
     "image", "unordered", "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
     "assistant_begin", "assistant_end", "set_default_backend", "get_default_backend", "flush_cache",
     "BatchAborted", "ChoicesDecision", "ChoicesSamplingMethod", "token_length_normalized", "greedy_token_selection",

@@ -5,6 +5,13 @@
     lmc run prog.py[:name] [--arg k=v ...] [--json] run one program of a file
     lmc run-batch prog.py[:name] -i in.jsonl -o out.jsonl
                                                     run it once per input line, resumable
+    lmc serve --model M [--port 30000] [--api-key K]
+                                                    the OpenAI-compatible and SGLang-native HTTP server
+
+`run` and `run-batch` take `--backend local|openai|endpoint`: `openai` is any OpenAI-compatible API (`--base-url`,
+`--model`, key from `--api-key` or OPENAI_API_KEY), `endpoint` an lmc or SGLang server's native API
+(`--base-url`). With an API backend the usage (calls, billed and cached tokens, calls saved by speculation) is
+printed to stderr at the end.
 
 Exit status: 0 on success, 1 when a program failed (for run-batch: when some line failed), 2 for a usage error
 (bad file, no or several programs, missing or unknown arguments, unknown backend or model).
@@ -23,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "openai", "endpoint")
 
 
 class UsageError(Exception):
@@ -175,9 +182,20 @@ def _load(args):
 
 
 def _make_backend(args):
-    from lmc.runtime import UnknownModelError
-
     import lmc
+
+    if args.backend == "openai":
+        try:
+            return lmc.OpenAI(args.model, base_url=args.base_url, api_key=args.api_key,
+                              is_chat_model=False if args.completion_model else None)
+        except (ValueError, ConnectionError) as e:
+            raise UsageError(str(e)) from None
+    if args.backend == "endpoint":
+        try:
+            return lmc.RuntimeEndpoint(args.base_url or "http://127.0.0.1:30000", api_key=args.api_key)
+        except (ValueError, ConnectionError) as e:
+            raise UsageError(str(e)) from None
+    from lmc.runtime import UnknownModelError
 
     kwargs = {"device": args.device}
     if args.max_total_tokens is not None:
@@ -236,6 +254,11 @@ def _run(args) -> int:
             return 1
     finally:
         backend.shutdown()
+    variables = {k: v for k, v in variables.items() if not k.startswith("__lmc")}
+    if args.backend != "local":
+        from lmc.backend.openai import program_usage
+
+        print(f"lmc: usage: {program_usage(state).summary()}", file=sys.stderr)
     if args.json:
         print(_dumps({"variables": variables, "text": text, "messages": messages}))
     else:
@@ -314,6 +337,11 @@ def _run_batch(args) -> int:
         return 0
     backend = _make_backend(args) if todo else None
     sampling = _sampling(args)
+    api = args.backend != "local"
+    if api:
+        from lmc.backend.openai import Usage
+
+        usage = Usage()
 
     out = open(out_path, "a", encoding="utf-8")
     lock = threading.Lock()
@@ -335,7 +363,15 @@ def _run_batch(args) -> int:
         # A worker holds its program until every gen finished: at most --num-threads programs are in flight.
         try:
             state = _execute(prog, arguments, sampling, backend)
-            rec = {"index": i, "variables": state.variables(), "text": state.text()}
+            variables = {k: v for k, v in state.variables().items() if not k.startswith("__lmc")}
+            rec = {"index": i, "variables": variables, "text": state.text()}
+            if api:
+                from lmc.backend.openai import program_usage
+
+                u = program_usage(state)
+                rec["usage"] = u.as_dict()
+                with lock:
+                    usage.add(u)
         except Exception as e:
             rec = {"index": i, "error": _describe(e, path)}
         write(rec)
@@ -359,10 +395,37 @@ def _run_batch(args) -> int:
     progress.close()
     out.close()
     _rewrite(out_path, _read_records(out_path))  # in input order now that nothing is appended any more
+    if api and todo:
+        print(f"lmc: usage: {usage.summary()}", file=sys.stderr)
     if failed:
         print(f"lmc: {failed} of {total} line(s) failed; see the \"error\" records in {out_path} "
               "(rerun the same command to retry them)", file=sys.stderr)
         return 1
+    return 0
+
+
+# ---- lmc serve --------------------------------------------------------------------------------------------------
+def _serve(args) -> int:
+    try:
+        from lmc.server import serve
+    except ImportError as e:
+        raise UsageError(f"lmc serve needs the server extra (pip install 'lmc[server]'): {e}") from None
+    from lmc.runtime import UnknownModelError
+
+    kwargs = {"device": args.device, "dtype": args.dtype, "schedule_policy": args.schedule_policy,
+              "disable_radix_cache": args.disable_radix_cache, "max_running_requests": args.max_running_requests}
+    if args.max_total_tokens is not None:
+        kwargs["max_total_tokens"] = args.max_total_tokens
+    if args.context_length is not None:
+        kwargs["context_length"] = args.context_length
+    try:
+        serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+              served_model_name=args.served_model_name, enable_metrics=args.enable_metrics,
+              log_level=args.log_level, max_pending=args.max_pending, **kwargs)
+    except UnknownModelError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     return 0
 
 
@@ -406,7 +469,14 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", metavar="prog.py[:name]",
                    help="a Python file defining @lmc.function programs; :name picks one when it defines several")
     p.add_argument("--backend", default="local", help=f"where programs run (available: {', '.join(BACKENDS)})")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model of the local backend (see `lmc models`)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model of the local backend (see `lmc models`), or the model name for --backend openai")
+    p.add_argument("--base-url", default=None,
+                   help="server URL for --backend openai (e.g. http://127.0.0.1:30000/v1; default: OPENAI_BASE_URL "
+                        "or api.openai.com) or --backend endpoint (default http://127.0.0.1:30000)")
+    p.add_argument("--api-key", default=None, help="API key of an API backend (default: OPENAI_API_KEY)")
+    p.add_argument("--completion-model", action="store_true",
+                   help="--backend openai: the model is a completion model (prompt text), not a chat model")
     p.add_argument("--device", default="auto", help="device of the local backend (auto, cpu, cuda)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache size of the local engine in tokens (default: the engine's)")
@@ -451,6 +521,29 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-o", "--output", required=True, help="output JSONL (resumed when it exists)")
     b.add_argument("--num-threads", type=int, default=32, help="programs in flight at once (default 32)")
     b.set_defaults(fn=_run_batch)
+    sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native routes)",
+                        description="Routes: /v1/completions, /v1/chat/completions, /v1/models, /generate, "
+                                    "/get_model_info, /get_server_info, /flush_cache, /health, /health_generate, "
+                                    "/tokenize, /metrics (with --enable-metrics).")
+    sv.add_argument("--model", "--model-path", dest="model", default="smollm2-135m-instruct",
+                    help="model name (see `lmc models`), HF directory or .gguf file")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=30000)
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all routes but /health, "
+                                                    "/metrics)")
+    sv.add_argument("--served-model-name", default=None, help="the model name the API reports")
+    sv.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"])
+    sv.add_argument("--disable-radix-cache", action="store_true")
+    sv.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics")
+    sv.add_argument("--device", default="auto")
+    sv.add_argument("--dtype", default="auto")
+    sv.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
+    sv.add_argument("--max-running-requests", type=int, default=256)
+    sv.add_argument("--context-length", type=int, default=None)
+    sv.add_argument("--max-pending", type=int, default=4096,
+                    help="requests in flight beyond which the server answers 503")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(fn=_serve)
     c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
     c.add_argument("program", help="prog.py or prog.py:name")
     c.add_argument("--emit", choices=["text", "dot", "mermaid", "json"], default="text")

@@ -93,8 +93,8 @@ def test_usage_errors_exit_2_before_loading_a_model(two):
     assert r.returncode == 2 and "unknown argument(s) 'z' for ok; it takes: x, n=1" in r.stderr
     r = lmc("run", f"{path}:nope")
     assert r.returncode == 2 and "no program 'nope'; programs: ok, boom" in r.stderr
-    r = lmc("run", f"{path}:ok", "--arg", "x=France", "--backend", "openai")
-    assert r.returncode == 2 and "unknown backend 'openai'; available backends: local" in r.stderr
+    r = lmc("run", f"{path}:ok", "--arg", "x=France", "--backend", "nosuch")
+    assert r.returncode == 2 and "unknown backend 'nosuch'; available backends: local, openai, endpoint" in r.stderr
     r = lmc("run-batch", path, "-i", path.with_suffix(".jsonl"), "-o", path.with_suffix(".out"))
     assert r.returncode == 2 and "2 programs" in r.stderr
     assert all("Traceback" not in x for x in (r.stderr, r.stdout))

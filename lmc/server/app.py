@@ -1,0 +1,946 @@
+"""`lmc serve`: the engine behind HTTP. OpenAI-compatible routes, SGLang-native routes, Prometheus metrics.
+
+    app = create_app(engine, api_key="secret")      # an ASGI app; `lmc serve` runs it under uvicorn
+
+Routes (DESIGN 6):
+    POST /v1/completions, /v1/chat/completions      OpenAI (SSE streaming, usage with cached tokens, logprobs,
+                                                    response_format, n, stop, seed; extras regex / ebnf /
+                                                    json_schema / structured_outputs / top_k / min_p ...)
+    GET  /v1/models
+    POST /generate                                  SGLang-native: text or input_ids, single or batch,
+                                                    max_new_tokens 0, logprobs with logprob_start_len, streaming
+    GET  /get_model_info (/model_info), /get_server_info (/server_info)
+    GET|POST /flush_cache
+    GET  /health, /health_generate, /metrics
+
+Every bad request gets a 4xx JSON error naming the problem (OpenAI's shape: {"error": {"message", "type",
+"param", "code"}}); nothing a client sends reaches the engine unvalidated, and an error in one request never
+affects another. A client that disconnects mid-stream stops receiving; its request finishes in the engine (bounded
+by its max tokens) and releases its KV slots, which `/get_server_info` shows (free + cached + request-owned ==
+total).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key (load balancers, Prometheus)
+SGLANG_SAMPLING_DEFAULTS = {  # SGLang keys lmc accepts only at their default value (they change nothing here)
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
+    "stop_regex": [], "logit_bias": {}, "custom_params": None, "structural_tag": None, "stream_interval": None,
+}
+_NO_VALUE = object()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def _error_body(status: int, message: str, type_: str = "invalid_request_error", param=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}, "object": "error",
+            "message": message}
+
+
+def slot_accounting(engine) -> dict[str, Any]:
+    """KV slots by owner: free + cached (evictable + protected) + request-owned == total. Read from the scheduler
+    thread's structures without stopping it, so a read taken mid-step can be torn; it is retried until it adds up
+    (when idle it is exact)."""
+    sched = engine.scheduler
+    snap = {"total_slots": engine.max_total_tokens, "free_slots": 0, "evictable_slots": 0, "protected_slots": 0,
+            "cached_slots": 0, "request_owned_slots": 0, "resident_requests": 0, "consistent": None}
+    for _ in range(20):
+        try:
+            resident = list(sched.resident())
+            owned = sum(max(0, r.kv_len - r.cache_protected_len) for r in resident if r.row >= 0)
+            cache = sched.cache
+            snap = {"total_slots": engine.max_total_tokens, "free_slots": sched.allocator.available,
+                    "evictable_slots": cache.evictable_size, "protected_slots": cache.protected_size,
+                    "cached_slots": cache.evictable_size + cache.protected_size, "request_owned_slots": owned,
+                    "resident_requests": len(resident)}
+        except Exception:  # a list changed size under us
+            continue
+        snap["consistent"] = snap["free_slots"] + snap["cached_slots"] + snap["request_owned_slots"] == \
+            snap["total_slots"]
+        if snap["consistent"]:
+            break
+        time.sleep(0.001)
+    return snap
+
+
+class _Service:
+    """Request handling shared by the routes (holds the engine, tokenizer and metrics)."""
+
+    def __init__(self, engine, served_model_name: str, server_args: dict, max_pending: int):
+        from ..frontend.chat_template import ChatTemplate
+
+        self.engine, self.tok = engine, engine.tokenizer
+        self.model = served_model_name
+        self.server_args = server_args
+        self.metrics = Metrics(served_model_name)
+        self.template = ChatTemplate.from_tokenizer(self.tok)
+        self.max_pending = max_pending
+        self.pending = 0
+        self.started = time.time()
+        self._tok_text: dict[int, str] = {}
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tok is None:
+            raise ApiError(400, f"model {self.model!r} has no tokenizer: send input_ids / token-id prompts")
+        return self.tok.encode(text)
+
+    def token_text(self, tid: int) -> str:
+        s = self._tok_text.get(tid)
+        if s is None:
+            s = self.tok.decode([tid]) if self.tok is not None else ""
+            if len(self._tok_text) < 200_000:
+                self._tok_text[tid] = s
+        return s
+
+    def admit(self, k: int = 1) -> None:
+        if self.pending + k > self.max_pending:
+            raise ApiError(503, f"the server is overloaded ({self.pending} requests in flight, limit "
+                                f"{self.max_pending}); retry later", type_="overloaded_error")
+        self.pending += k
+
+    async def run(self, ids: list[int], params: dict, structured: bool) -> dict:
+        """One request to completion; RequestError -> 400, an engine failure -> 500."""
+        from ..runtime.core import RequestError
+
+        start = time.perf_counter()
+        fut = self.engine.submit(None, params, ids)
+        try:
+            r = await asyncio.wrap_future(fut)
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+        except Exception as e:
+            log.exception("request failed in the engine")
+            raise ApiError(500, f"the engine failed the request: {type(e).__name__}: {e}") from None
+        self.metrics.finished(r["meta_info"], start, structured)
+        return r
+
+    async def run_all(self, items: list[tuple[list[int], dict]], structured: bool) -> list[dict]:
+        self.admit(len(items))
+        try:
+            tasks = [asyncio.ensure_future(self.run(ids, p, structured)) for ids, p in items]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        finally:
+            self.pending -= len(items)
+
+    async def stream(self, ids: list[int], params: dict, structured: bool) -> AsyncIterator[dict]:
+        """The engine's stream of one request: chunks {"text": delta} and a last one with the result. The first
+        chunk is awaited before returning, so a refused request raises ApiError before any byte is sent."""
+        from ..runtime.core import RequestError
+
+        start = time.perf_counter()
+        gen = self.engine.async_stream(None, params, ids)
+        try:
+            first = await gen.__anext__()
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+        except StopAsyncIteration:
+            raise ApiError(500, "the engine ended the stream without a result") from None
+        t_first = time.perf_counter()
+
+        async def rest():
+            chunk = first
+            while True:
+                if "meta_info" in chunk:
+                    self.metrics.finished(chunk["meta_info"], start, structured, t_first)
+                yield chunk
+                try:
+                    chunk = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+
+        return rest()
+
+    def check_meta(self, meta: dict) -> None:
+        fr = meta.get("finish_reason") or {}
+        if fr.get("type") == "abort":
+            raise ApiError(500, f"the request was aborted: {fr.get('message')}", type_="server_error")
+
+
+# ---- OpenAI sampling translation -------------------------------------------------------------------------------
+def _constraint(req, response_format) -> tuple[dict, bool]:
+    """Engine constraint fields from the request's extras / response_format / structured_outputs."""
+    out: dict[str, Any] = {}
+    if req.regex is not None:
+        out["regex"] = req.regex
+    if req.ebnf is not None:
+        out["ebnf"] = req.ebnf
+    if req.json_schema is not None:
+        out["json_schema"] = req.json_schema
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            out.setdefault("json_schema", response_format.json_schema.schema_)
+        else:
+            out.setdefault("json_schema", {"type": "object"})
+    so = req.structured_outputs
+    if so is not None:
+        given = [k for k in ("choice", "regex", "json_", "grammar") if getattr(so, k) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "structured_outputs takes exactly one of choice, regex, json, grammar",
+                           "structured_outputs")
+        k = given[0]
+        if k == "choice":
+            if not so.choice:
+                raise ApiError(400, "structured_outputs.choice must be a non-empty list", "structured_outputs")
+            out["regex"] = "(" + "|".join(re.escape(c) for c in so.choice) + ")"
+        else:
+            out[{"regex": "regex", "json_": "json_schema", "grammar": "ebnf"}[k]] = getattr(so, k)
+    if len(out) > 1:
+        raise ApiError(400, f"at most one constraint may be given: got {', '.join(sorted(out))}")
+    return out, bool(out)
+
+
+def _openai_params(svc: _Service, req, prompt_len: int, max_tokens: int | None, default_max: int | None) -> dict:
+    ctx = svc.engine.context_length
+    if prompt_len >= ctx:
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {prompt_len} "
+                            "tokens. Shorten the prompt.", "messages" if hasattr(req, "messages") else "prompt")
+    if max_tokens is None:
+        max_tokens = ctx - prompt_len if default_max is None else min(default_max, ctx - prompt_len)
+    elif not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ApiError(400, f"max_tokens must be a non-negative integer, got {max_tokens!r}", "max_tokens")
+    elif prompt_len + max_tokens > ctx:
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
+                            "completion). Reduce the prompt or max_tokens.", "max_tokens")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    if not req.skip_special_tokens:
+        raise ApiError(400, "skip_special_tokens=false is not supported by this server", "skip_special_tokens")
+    p: dict[str, Any] = {"max_new_tokens": max_tokens}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                     ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
+                     ("repetition_penalty", "repetition_penalty"), ("seed", "seed"), ("stop", "stop"),
+                     ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"),
+                     ("min_tokens", "min_new_tokens")):
+        v = getattr(req, src)
+        if v is not None:
+            p[dst] = v
+    if isinstance(p.get("stop"), list) and not p["stop"]:
+        del p["stop"]
+    return p
+
+
+def _validate_params(p: dict) -> None:
+    """Fail fast (400) on a bad sampling value, before any request is queued."""
+    from ..runtime.core import RequestError, SamplingParams
+
+    try:
+        SamplingParams.from_dict(dict(p))
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    except TypeError as e:
+        raise ApiError(400, f"invalid sampling parameters: {e}") from None
+
+
+def _n_params(p: dict, n: int) -> list[dict]:
+    if n < 1:
+        raise ApiError(400, f"n must be >= 1, got {n}", "n")
+    if n > 128:
+        raise ApiError(400, f"n must be <= 128, got {n}", "n")
+    seed = p.get("seed")
+    return [{**p, "seed": None if seed is None else seed + i} for i in range(n)]
+
+
+def _finish(meta: dict) -> str:
+    t = (meta.get("finish_reason") or {}).get("type")
+    return "length" if t == "length" else "stop"
+
+
+def _usage(results: list[dict], prompts: list[int]) -> dict:
+    """Prompt tokens counted once per prompt (as OpenAI bills n>1), completion tokens summed."""
+    metas = [r["meta_info"] for r in results]
+    prompt = sum(prompts)
+    completion = sum(m["completion_tokens"] for m in metas)
+    per_prompt: dict[int, int] = {}
+    for r in results:
+        per_prompt.setdefault(r["_prompt_index"], r["meta_info"].get("cached_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
+
+
+def _chat_logprobs(svc: _Service, meta: dict, top: int) -> dict:
+    content = []
+    tops = meta.get("output_top_logprobs") or []
+    for i, (lp, tid, _) in enumerate(meta.get("output_token_logprobs") or []):
+        tok = svc.token_text(tid)
+        entry = {"token": tok, "logprob": 0.0 if lp is None else lp, "bytes": list(tok.encode()),
+                 "top_logprobs": []}
+        if top and i < len(tops) and tops[i]:
+            entry["top_logprobs"] = [{"token": svc.token_text(t), "logprob": v,
+                                      "bytes": list(svc.token_text(t).encode())} for v, t, _ in tops[i][:top]]
+        content.append(entry)
+    return {"content": content}
+
+
+def _completion_logprobs(svc: _Service, meta: dict, top: int, echo: bool, offset0: int) -> dict:
+    entries = list(meta.get("output_token_logprobs") or [])
+    tops = list(meta.get("output_top_logprobs") or [])
+    if echo:
+        entries = list(meta.get("input_token_logprobs") or []) + entries
+        tops = list(meta.get("input_top_logprobs") or [None] * len(meta.get("input_token_logprobs") or [])) + tops
+    tokens, lps, top_out, offsets = [], [], [], []
+    pos = offset0
+    for i, (lp, tid, _) in enumerate(entries):
+        t = svc.token_text(tid)
+        tokens.append(t)
+        lps.append(lp)
+        offsets.append(pos)
+        pos += len(t)
+        row = tops[i] if i < len(tops) else None
+        top_out.append({svc.token_text(x): v for v, x, _ in (row or [])[:top]} if top else None)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_out, "text_offset": offsets}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """Interleave several chunk streams as (index, chunk); cancelling the consumer cancels every producer."""
+    if len(streams) == 1:
+        async for c in streams[0]:
+            yield 0, c
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, s):
+        try:
+            async for c in s:
+                await q.put((i, c))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    left = len(tasks)
+    try:
+        while left:
+            i, c = await q.get()
+            if c is done:
+                left -= 1
+            elif isinstance(c, BaseException):
+                raise c
+            else:
+                yield i, c
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ---- the app ---------------------------------------------------------------------------------------------------
+def create_app(engine, api_key: str | None = None, *, served_model_name: str | None = None,
+               enable_metrics: bool = True, server_args: dict | None = None, max_pending: int = 4096) -> FastAPI:
+    """An ASGI app serving `engine` (a lmc.runtime.Engine). `api_key`: required as `Authorization: Bearer KEY`
+    (or `x-api-key`) on every route but /health and /metrics. `max_pending`: requests in flight beyond which the
+    server answers 503."""
+    svc = _Service(engine, served_model_name or engine.model_name, dict(server_args or {}), max_pending)
+    app = FastAPI(title="lmc", version=_version())
+    app.state.service = svc
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        if exc.status < 500:
+            svc.metrics.bad_request()
+        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        svc.metrics.bad_request()
+        parts = []
+        try:
+            raw = await request.body()
+            json.loads(raw)
+        except ValueError as e:
+            msg = f"malformed JSON body: {e}"
+            return JSONResponse(_error_body(400, msg), status_code=400)
+        except Exception:  # noqa: BLE001 - the body was consumed: describe the validation errors instead
+            pass
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == "json_invalid":
+                parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            elif not loc and err.get("type") in ("dict_type", "model_attributes_type"):
+                parts.append("the request body must be a JSON object")
+            elif err.get("type") == "extra_forbidden":
+                parts.append(f"unknown field {loc!r}")
+            else:
+                parts.append(f"{loc}: {err.get('msg')}" if loc else err.get("msg", "invalid request"))
+        msg = "; ".join(dict.fromkeys(parts)) or "invalid request"
+        return JSONResponse(_error_body(400, msg), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+    if api_key:
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path not in OPEN_PATHS:
+                auth = request.headers.get("authorization", "")
+                given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+                if given != api_key:
+                    svc.metrics.bad_request()
+                    return JSONResponse(_error_body(401, "invalid or missing API key (send Authorization: Bearer "
+                                                         "<key>)", "authentication_error"), status_code=401)
+            return await call_next(request)
+
+    # ---- OpenAI: completions -----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        _check_model(svc, req.model)
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if req.best_of not in (None, 1, req.n):
+            raise ApiError(400, "best_of is not supported (use n)", "best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise ApiError(400, "logprobs must be in [0, 20]", "logprobs")
+        prompts = req.prompt
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        texts, id_lists = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                texts.append(p)
+                id_lists.append(svc.encode(p))
+            else:
+                texts.append(svc.tok.decode(p) if svc.tok is not None else "")
+                id_lists.append(list(p))
+        constraint, structured = _constraint(req, req.response_format)
+        items, prompt_index = [], []
+        for k, ids in enumerate(id_lists):
+            p = {**_openai_params(svc, req, len(ids), req.max_tokens, 16), **constraint}
+            if req.logprobs is not None:
+                p.update(return_logprob=True, top_logprobs_num=req.logprobs)
+                if req.echo:
+                    p["logprob_start_len"] = 0
+            _validate_params(p)
+            for q in _n_params(p, req.n):
+                items.append((ids, q))
+                prompt_index.append(k)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice_logprobs(meta, k):
+            if req.logprobs is None:
+                return None
+            return _completion_logprobs(svc, meta, req.logprobs, req.echo, 0)
+
+        if req.stream:
+            streams = await _start_streams(svc, items, structured)
+
+            async def body():
+                results: dict[int, dict] = {}
+                texts_out = {i: "" for i in range(len(items))}
+                try:
+                    async for i, c in _merge(streams):
+                        k = prompt_index[i]
+                        delta = (texts[k] if req.echo and not texts_out[i] and c["text"] is not None else "") + \
+                            c["text"]
+                        texts_out[i] += c["text"]
+                        fin = "meta_info" in c
+                        if fin:
+                            svc.check_meta(c["meta_info"])
+                            results[i] = {**c, "_prompt_index": k}
+                        if delta or fin:
+                            yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                        "model": svc.model, "choices": [{
+                                            "index": i, "text": delta,
+                                            "logprobs": choice_logprobs(c["meta_info"], k) if fin else None,
+                                            "finish_reason": _finish(c["meta_info"]) if fin else None}]})
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        ordered = [results[i] for i in sorted(results)]
+                        yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                    "model": svc.model, "choices": [],
+                                    "usage": _usage(ordered, [len(x) for x in id_lists])})
+                except ApiError as e:
+                    yield _sse(_error_body(e.status, e.message, e.type))
+                finally:
+                    await _close(streams)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        results = await svc.run_all(items, structured)
+        choices = []
+        for i, (r, k) in enumerate(zip(results, prompt_index)):
+            svc.check_meta(r["meta_info"])
+            r["_prompt_index"] = k
+            choices.append({"index": i, "text": (texts[k] if req.echo else "") + r["text"],
+                            "logprobs": choice_logprobs(r["meta_info"], k), "finish_reason": _finish(r["meta_info"]),
+                            "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
+        return {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
+                "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])}
+
+    # ---- OpenAI: chat completions ------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        _check_model(svc, req.model)
+        if req.tools:
+            raise ApiError(400, "tools are not supported by this server", "tools")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be in [0, 20]", "top_logprobs")
+        text = _render_chat(svc, req)
+        ids = svc.encode(text)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        constraint, structured = _constraint(req, req.response_format)
+        p = {**_openai_params(svc, req, len(ids), max_tokens, None), **constraint}
+        if svc.template.stop_token_ids:
+            p["stop_token_ids"] = list(p.get("stop_token_ids") or []) + list(svc.template.stop_token_ids)
+        top = req.top_logprobs or 0
+        if req.logprobs:
+            p.update(return_logprob=True, top_logprobs_num=top)
+        _validate_params(p)
+        items = [(ids, q) for q in _n_params(p, req.n)]
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        if req.stream:
+            streams = await _start_streams(svc, items, structured)
+
+            def chunk(choices, usage=_NO_VALUE):
+                out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": svc.model,
+                       "choices": choices}
+                if usage is not _NO_VALUE:
+                    out["usage"] = usage
+                return _sse(out)
+
+            async def body():
+                results: dict[int, dict] = {}
+                try:
+                    for i in range(len(items)):
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                    async for i, c in _merge(streams):
+                        fin = "meta_info" in c
+                        if c["text"]:
+                            yield chunk([{"index": i, "delta": {"content": c["text"]}, "logprobs": None,
+                                          "finish_reason": None}])
+                        if fin:
+                            svc.check_meta(c["meta_info"])
+                            results[i] = {**c, "_prompt_index": 0}
+                            yield chunk([{"index": i, "delta": {},
+                                          "logprobs": _chat_logprobs(svc, c["meta_info"], top) if req.logprobs
+                                          else None, "finish_reason": _finish(c["meta_info"])}])
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield chunk([], _usage([results[i] for i in sorted(results)], [len(ids)]))
+                except ApiError as e:
+                    yield _sse(_error_body(e.status, e.message, e.type))
+                finally:
+                    await _close(streams)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        results = await svc.run_all(items, structured)
+        choices = []
+        for i, r in enumerate(results):
+            svc.check_meta(r["meta_info"])
+            r["_prompt_index"] = 0
+            choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
+                            "logprobs": _chat_logprobs(svc, r["meta_info"], top) if req.logprobs else None,
+                            "finish_reason": _finish(r["meta_info"]),
+                            "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
+        return {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
+                "choices": choices, "usage": _usage(results, [len(ids)])}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": svc.model, "object": "model", "created": int(svc.started),
+                                            "owned_by": "lmc", "root": svc.engine.model_name,
+                                            "max_model_len": svc.engine.context_length}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != svc.model:
+            raise ApiError(404, f"model {model_id!r} not found; this server serves {svc.model!r}", "model")
+        return {"id": svc.model, "object": "model", "created": int(svc.started), "owned_by": "lmc"}
+
+    # ---- SGLang-native -----------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(req: GenerateRequest):
+        return await _native_generate(svc, req)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json_object(request, svc)
+        unknown = set(body) - {"prompt", "text", "add_special_tokens", "model"}
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {sorted(unknown)}")
+        prompt = body.get("prompt", body.get("text"))
+        if svc.tok is None:
+            raise ApiError(400, f"model {svc.model!r} has no tokenizer")
+        special = bool(body.get("add_special_tokens", True))
+        if isinstance(prompt, str):
+            ids = svc.tok.encode(prompt, add_special_tokens=special)
+            return {"tokens": ids, "count": len(ids), "max_model_len": svc.engine.context_length}
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            ids = [svc.tok.encode(p, add_special_tokens=special) for p in prompt]
+            return {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": svc.engine.context_length}
+        raise ApiError(400, "prompt must be a string or a list of strings", "prompt")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json_object(request, svc)
+        tokens = body.get("tokens")
+        if svc.tok is None or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", "tokens")
+        return {"text": svc.tok.decode(tokens)}
+
+    @app.api_route("/get_model_info", methods=["GET"])
+    @app.api_route("/model_info", methods=["GET"])
+    async def model_info():
+        eng, t = svc.engine, svc.template
+        cfg = getattr(eng.runner, "cfg", None)
+        return {"model_path": eng.model_name, "served_model_name": svc.model, "tokenizer_path": eng.model_name,
+                "is_generation": True, "has_image_understanding": False, "has_audio_understanding": False,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "context_length": eng.context_length, "max_total_num_tokens": eng.max_total_tokens,
+                "vocab_size": getattr(cfg, "vocab_size", None),
+                "eos_token_ids": list(getattr(cfg, "eos_token_ids", ()) or ()),
+                "chat_template": getattr(svc.tok, "chat_template", None) if svc.tok is not None else None,
+                "chat_template_roles": {"prefix": t.prefix, "suffix": t.suffix, "default_system": t.default_system,
+                                        "stop_token_ids": list(t.stop_token_ids)},
+                "engine": "lmc", "version": _version()}
+
+    @app.api_route("/get_server_info", methods=["GET"])
+    @app.api_route("/server_info", methods=["GET"])
+    async def server_info():
+        stats, slots = svc.engine.stats(), slot_accounting(svc.engine)
+        return {**svc.server_args, "served_model_name": svc.model, "version": _version(), "engine": "lmc",
+                "context_length": svc.engine.context_length, "max_total_num_tokens": svc.engine.max_total_tokens,
+                "in_flight_requests": svc.pending, "internal_states": [{**_jsonable(stats), "slots": slots}],
+                "slots": slots}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        ok = await asyncio.to_thread(svc.engine.flush_cache)
+        if not ok:
+            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be "
+                                 "performed.)\n")
+
+    @app.get("/health")
+    async def health():
+        if not svc.engine._thread.is_alive():
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not svc.engine._thread.is_alive():
+            return Response(status_code=503)
+        ids = svc.encode("ping") if svc.tok is not None else [1]
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(svc.engine.submit(
+                None, {"max_new_tokens": 1, "temperature": 0}, ids)), timeout=60)
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        if not enable_metrics:
+            raise ApiError(404, "metrics are disabled: start the server with --enable-metrics")
+        text = svc.metrics.render(svc.engine.stats(), slot_accounting(svc.engine))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---- route bodies ----------------------------------------------------------------------------------------------
+async def _json_object(request: Request, svc: _Service) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_model(svc: _Service, model: str | None) -> None:
+    # Any name is accepted (clients often send a placeholder); it is echoed back as the served name.
+    return None
+
+
+def _render_chat(svc: _Service, req: ChatCompletionRequest) -> str:
+    msgs = []
+    for k, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if getattr(part, "type", None) != "text":
+                    raise ApiError(400, f"messages[{k}]: {part.type} content is not supported: the model "
+                                        f"{svc.model!r} is text-only", "messages")
+                parts.append(part.text)
+            content = "".join(parts)
+        if m.role in ("tool", "function"):
+            raise ApiError(400, f"messages[{k}]: role {m.role!r} is not supported (no tool calling)", "messages")
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    if not msgs:
+        raise ApiError(400, "messages must not be empty", "messages")
+    cont = req.continue_final_message
+    if cont and msgs[-1]["role"] != "assistant":
+        raise ApiError(400, "continue_final_message needs a final assistant message", "messages")
+    head, tail = (msgs[:-1], msgs[-1]["content"]) if cont else (msgs, "")
+    gen_prompt = cont or req.add_generation_prompt
+    tok = svc.tok
+    if tok is not None and getattr(tok, "chat_template", None):
+        if not head:
+            text = svc.template.default_system + svc.template.prefix["assistant"] if gen_prompt else ""
+        else:
+            try:
+                text = tok.apply_chat_template(head, tokenize=False, add_generation_prompt=gen_prompt)
+            except Exception as e:
+                raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    else:
+        t = svc.template
+        text = "" if head and head[0]["role"] == "system" else t.default_system
+        text += "".join(t.prefix[m["role"]] + m["content"] + t.suffix[m["role"]] for m in head)
+        if gen_prompt:
+            text += t.prefix["assistant"]
+    return text + tail
+
+
+async def _start_streams(svc: _Service, items, structured: bool) -> list:
+    svc.admit(len(items))
+    streams = []
+    try:
+        for ids, p in items:
+            streams.append(await svc.stream(ids, p, structured))
+    except BaseException:
+        svc.pending -= len(items)
+        for s in streams:
+            await s.aclose()
+        raise
+
+    released = {"done": False}
+
+    def release():
+        if not released["done"]:
+            released["done"] = True
+            svc.pending -= len(items)
+
+    async def guarded(s):
+        try:
+            async for c in s:
+                yield c
+        finally:
+            release()
+
+    # Each stream releases its share when the response ends (normally or by a disconnect).
+    if len(streams) == 1:
+        return [guarded(streams[0])]
+    out, left = [], {"n": len(streams)}
+
+    async def part(s):
+        try:
+            async for c in s:
+                yield c
+        finally:
+            left["n"] -= 1
+            if left["n"] == 0:
+                release()
+
+    for s in streams:
+        out.append(part(s))
+    return out
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        try:
+            await s.aclose()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[int], dict]], bool, list[int]]:
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", "text")
+    if req.image_data not in (None, [], [None]):
+        raise ApiError(400, f"image_data: the model {svc.model!r} is text-only", "image_data")
+    for name in ("lora_path", "session_params", "custom_logit_processor"):
+        if getattr(req, name) not in (None, [], [None]):
+            raise ApiError(400, f"{name} is not supported by this server", name)
+    if req.return_hidden_states:
+        raise ApiError(400, "return_hidden_states is not supported by this server", "return_hidden_states")
+    if req.text is not None:
+        single = isinstance(req.text, str)
+        prompts = [req.text] if single else list(req.text)
+        ids = [svc.encode(t) for t in prompts]
+    else:
+        single = not (req.input_ids and isinstance(req.input_ids[0], list))
+        ids = [list(req.input_ids)] if single else [list(x) for x in req.input_ids]
+    if not ids:
+        raise ApiError(400, "empty batch", "text")
+    b = len(ids)
+
+    def per_item(v, name):
+        if isinstance(v, list):
+            if len(v) != b:
+                raise ApiError(400, f"{name}: {len(v)} values for {b} prompts", name)
+            return v
+        return [v] * b
+
+    sps = per_item(req.sampling_params or {}, "sampling_params")
+    rl = per_item(req.return_logprob, "return_logprob")
+    ls = per_item(req.logprob_start_len, "logprob_start_len")
+    tn = per_item(req.top_logprobs_num, "top_logprobs_num")
+    items, index = [], []
+    for k in range(b):
+        sp = dict(sps[k] or {})
+        if not isinstance(sp, dict):
+            raise ApiError(400, "sampling_params must be an object", "sampling_params")
+        p: dict[str, Any] = {}
+        n = sp.pop("n", 1) or 1
+        if "sampling_seed" in sp:
+            sp.setdefault("seed", sp.pop("sampling_seed"))
+        for key, default in SGLANG_SAMPLING_DEFAULTS.items():
+            if key in sp:
+                v = sp.pop(key)
+                if v not in (default, None) and not (isinstance(default, (list, dict)) and not v):
+                    raise ApiError(400, f"sampling_params.{key}={v!r} is not supported by this server",
+                                   "sampling_params")
+        for key, v in sp.items():
+            if v is not None:
+                p[key] = v
+        if rl[k]:
+            p["return_logprob"] = True
+        if ls[k] is not None:
+            p["logprob_start_len"] = ls[k]
+        if tn[k] is not None:
+            p["top_logprobs_num"] = tn[k]
+        if not isinstance(n, int) or n < 1:
+            raise ApiError(400, f"sampling_params.n must be a positive integer, got {n!r}", "sampling_params")
+        if isinstance(p.get("logprob_start_len"), int) and p["logprob_start_len"] > len(ids[k]):
+            raise ApiError(400, f"logprob_start_len ({p['logprob_start_len']}) exceeds the prompt length "
+                                f"({len(ids[k])})", "logprob_start_len")
+        _validate_params(p)
+        for q in (_n_params(p, n) if n > 1 else [p]):
+            items.append((ids[k], q))
+            index.append(k)
+    return items, single and len(items) == 1, index
+
+
+def _native_result(svc: _Service, r: dict, text_in_logprobs: bool, start: float) -> dict:
+    meta = r["meta_info"]
+    meta["e2e_latency"] = time.perf_counter() - start
+    if text_in_logprobs:
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta:
+                meta[key] = [(lp, t, svc.token_text(t)) for lp, t, _ in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = [None if row is None else [(lp, t, svc.token_text(t)) for lp, t, _ in row]
+                             for row in meta[key]]
+    return {"text": r["text"], "output_ids": r["output_ids"], "meta_info": meta}
+
+
+async def _native_generate(svc: _Service, req: GenerateRequest):
+    from ..runtime.core import RequestError
+
+    start = time.perf_counter()
+    items, single, _ = _native_items(svc, req)
+    if req.stream:
+        if not single:
+            raise ApiError(400, "streaming is supported for one prompt (n=1) at a time", "stream")
+        (ids, p), = items
+        structured = any(p.get(k) is not None for k in ("regex", "json_schema", "ebnf"))
+        streams = await _start_streams(svc, items, structured)
+
+        async def body():
+            text, n_out = "", 0
+            try:
+                async for _, c in _merge(streams):
+                    text += c["text"]
+                    if "meta_info" in c:
+                        r = _native_result(svc, {**c, "text": text}, req.return_text_in_logprobs, start)
+                        yield _sse(r)
+                    else:
+                        n_out += 1
+                        yield _sse({"text": text, "output_ids": [],
+                                    "meta_info": {"id": None, "finish_reason": None,
+                                                  "prompt_tokens": len(ids)}})
+            except ApiError as e:
+                yield _sse(_error_body(e.status, e.message, e.type))
+            except Exception as e:  # noqa: BLE001
+                yield _sse(_error_body(500, f"{type(e).__name__}: {e}", "server_error"))
+            finally:
+                await _close(streams)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    svc.admit(len(items))
+    try:
+        structured = [any(p.get(k) is not None for k in ("regex", "json_schema", "ebnf")) for _, p in items]
+        futs = [svc.engine.submit(None, p, ids) for ids, p in items]
+        outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+    finally:
+        svc.pending -= len(items)
+    results = []
+    for out, so in zip(outs, structured):
+        if isinstance(out, BaseException):
+            if single:
+                raise ApiError(400 if isinstance(out, RequestError) else 500, str(out))
+            results.append({"text": "", "output_ids": [], "error": str(out),
+                            "meta_info": {"finish_reason": {"type": "abort", "message": str(out)}}})
+            continue
+        svc.metrics.finished(out["meta_info"], start, so)
+        results.append(_native_result(svc, out, req.return_text_in_logprobs, start))
+    return results[0] if single else results
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def _version() -> str:
+    try:
+        from .. import __version__
+
+        return __version__
+    except Exception:  # pragma: no cover
+        return "0"

@@ -1,0 +1,358 @@
+"""`lmc serve` for real: the app on a loopback port (uvicorn in a thread) over the session engine, driven by the
+`openai` client and raw HTTP. One server for the module."""
+import asyncio
+import json
+import re
+import time
+
+import jsonschema
+import openai
+import pytest
+
+from lmc.server import ServerThread, create_app
+
+try:
+    import httpx
+except ImportError:  # installs that ship httpx under the name httpx2
+    import httpx2 as httpx
+
+KEY = "sk-test-key"
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(create_app(engine, api_key=KEY, enable_metrics=True)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+def _wait_idle(http, timeout=60.0) -> dict:
+    """Wait until nothing is queued or running, then return the slot accounting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = http.get("/get_server_info").json()
+        state = info["internal_states"][0]
+        if state["waiting"] == 0 and state["running"] == 0 and info["in_flight_requests"] == 0:
+            return info["slots"]
+        assert time.monotonic() < deadline, f"the engine did not go idle: {state}"
+        time.sleep(0.05)
+
+
+def _assert_no_leak(http) -> None:
+    slots = _wait_idle(http)
+    assert slots["consistent"], slots
+    assert slots["free_slots"] + slots["cached_slots"] + slots["request_owned_slots"] == slots["total_slots"]
+    assert slots["request_owned_slots"] == 0 and slots["resident_requests"] == 0 and slots["protected_slots"] == 0
+
+
+def test_chat_completion_matches_the_engine(client, engine, tokenizer):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is the capital of Italy?"}]
+    r = client.chat.completions.create(model="any", messages=msgs, max_tokens=12, **GREEDY)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ref = engine.generate(text, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [2]})
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref["text"] and ref["text"]
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text))
+    assert r.usage.completion_tokens == ref["meta_info"]["completion_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_completions_n_stop_seed_and_models(client, tokenizer):
+    prompt = "Q: Name a fruit.\nA:"
+    kw = dict(model="any", prompt=prompt, max_tokens=10, temperature=0.9, n=3, seed=7, stop=["\n"])
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert all("\n" not in c.text for c in a.choices)
+    assert a.usage.prompt_tokens == len(tokenizer.encode(prompt))  # billed once for n choices, as OpenAI does
+    assert a.usage.completion_tokens > 0
+    r = client.completions.create(model="any", prompt="Count: 1, 2, 3, 4,", max_tokens=20, stop=" 7", **GREEDY)
+    assert r.choices[0].text.strip() == "5, 6," and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="any", prompt=["One,", "Two,"], max_tokens=3, **GREEDY)
+    assert len(r.choices) == 2 and r.choices[1].index == 1
+    models = client.models.list()
+    assert models.data[0].id == "smollm2-135m-instruct" and models.data[0].owned_by == "lmc"
+
+
+def test_streaming_equals_non_streaming(client):
+    msgs = [{"role": "user", "content": "Count from one to five in words."}]
+    full = client.chat.completions.create(model="m", messages=msgs, max_tokens=16, **GREEDY)
+    chunks = list(client.chat.completions.create(model="m", messages=msgs, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    ref = client.completions.create(model="m", prompt="The sky is", max_tokens=8, **GREEDY).choices[0].text
+    parts = list(client.completions.create(model="m", prompt="The sky is", max_tokens=8, stream=True, **GREEDY))
+    assert "".join(p.choices[0].text for p in parts) == ref
+
+
+def test_streaming_n_and_stop(client):
+    chunks = list(client.completions.create(model="m", prompt="List: a, b, c,", max_tokens=12, n=2, stop=[" f"],
+                                            stream=True, temperature=0))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    ref = client.completions.create(model="m", prompt="List: a, b, c,", max_tokens=12, stop=[" f"], temperature=0)
+    assert texts[0] == texts[1] == ref.choices[0].text and " f" not in texts[0]
+
+
+def test_logprobs_chat_and_completions(client):
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6,
+                                       logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content).startswith(r.choices[0].message.content[:3])
+    for c in content:
+        assert c.logprob <= 0 and len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].token == c.token  # greedy: the chosen token is the most likely one
+    r = client.completions.create(model="m", prompt="One, two, three,", max_tokens=4, logprobs=2, echo=True,
+                                  **GREEDY)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("One, two, three,")
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_json_schema_response_format_validates(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}, **GREEDY)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model="m", prompt="The answer is ", max_tokens=8, temperature=0.7, seed=1,
+                                  extra_body={"regex": r"[0-9]{3}"})
+    assert re.fullmatch(r"[0-9]{3}", r.choices[0].text)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick a color"}],
+                                       max_tokens=8, extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+                                       **GREEDY)
+    assert r.choices[0].message.content in ("red", "blue")
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    prefix = "Background: " + " ".join(f"fact {i} is that the number {i} follows {i - 1}." for i in range(40))
+    first = client.completions.create(model="m", prompt=prefix + "\nQ: one?", max_tokens=2, **GREEDY)
+    second = client.completions.create(model="m", prompt=prefix + "\nQ: two?", max_tokens=2, **GREEDY)
+    shared = first.usage.prompt_tokens - 4
+    assert second.usage.prompt_tokens_details.cached_tokens >= shared > 300
+
+
+def test_api_key_is_enforced(server, client):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="m", prompt="hi", max_tokens=1)
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200  # open for load balancers
+    assert httpx.get(server.url + "/get_server_info", headers={"x-api-key": KEY}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/completions", b'{"prompt": "hi", ', "malformed JSON"),
+    ("/v1/completions", b'[1, 2]', "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "context length"),
+    ("/v1/completions", {"prompt": "hi", "regex": "[a-", "max_tokens": 4}, ""),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "text-only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema"}}, "schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "regex": "a", "ebnf": "root ::= \"a\""},
+     "at most one"),
+    ("/generate", {"text": "hi", "input_ids": [1, 2]}, "exactly one"),
+    ("/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, "temprature"),
+    ("/generate", {"input_ids": [10 ** 9]}, "input_ids"),
+    ("/generate", {"text": "hi", "image_data": "x.png"}, "text-only"),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(http, path, body, needle):
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    msg = r.json()["error"]["message"]
+    assert needle.lower() in msg.lower(), msg
+    ok = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_oversized_prompt_is_a_400(http, engine, tokenizer):
+    long_text = "word " * (engine.context_length + 10)
+    r = http.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1})
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = http.post("/generate", json={"text": long_text, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+
+
+def test_native_generate(http, tokenizer):
+    single = http.post("/generate", json={"text": "The capital of France is",
+                                          "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert single["text"] and len(single["output_ids"]) == single["meta_info"]["completion_tokens"] == 6
+    ids = tokenizer.encode("The capital of France is")
+    by_ids = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6,
+                                                                                "temperature": 0}}).json()
+    assert by_ids["output_ids"] == single["output_ids"]
+    batch = http.post("/generate", json={"text": ["The capital of France is", "One, two,"],
+                                         "sampling_params": [{"max_new_tokens": 6, "temperature": 0},
+                                                             {"max_new_tokens": 2, "temperature": 0}]}).json()
+    assert isinstance(batch, list) and batch[0]["output_ids"] == single["output_ids"]
+    assert batch[1]["meta_info"]["completion_tokens"] == 2
+    # prefill only, prompt logprobs from a start position, token texts (what RuntimeEndpoint.select sends)
+    r = http.post("/generate", json={"text": ["One two three four", "One two three five"],
+                                     "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                                     "return_logprob": True, "logprob_start_len": 2,
+                                     "return_text_in_logprobs": True}).json()
+    n = len(tokenizer.encode("One two three four"))
+    for item in r:
+        m = item["meta_info"]
+        assert item["output_ids"] == [] and m["finish_reason"] == {"type": "length", "length": 0}
+        assert len(m["input_token_logprobs"]) == n - 2 and all(lp < 0 for lp, _, _ in m["input_token_logprobs"])
+    assert r[0]["meta_info"]["input_token_logprobs"][-1][2] == " four"
+    # n in sampling_params, SGLang's sampling_seed, and SGLang keys at their default values
+    r = http.post("/generate", json={"text": "Pick a number:", "sampling_params": {
+        "max_new_tokens": 3, "n": 2, "temperature": 0.8, "sampling_seed": 3, "skip_special_tokens": True,
+        "stop_regex": [], "top_k": -1}}).json()
+    assert len(r) == 2
+
+
+def test_sglang_frontend_requests_are_served(http, tokenizer):
+    """The bodies SGLang's RuntimeEndpoint sends (notes/sglang_frontend.md 5.2, 5.4), verbatim."""
+    gen = {"text": "Q: hi\nA:", "sampling_params": {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 16, "min_new_tokens": 0,
+        "n": 1, "stop": ["\n", "<|eot_id|>"], "stop_token_ids": [], "stop_regex": [], "temperature": 0,
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+        "ignore_eos": False, "regex": None, "json_schema": None}, "return_logprob": True, "top_logprobs_num": 2}
+    r = http.post("/generate", json=gen)
+    assert r.status_code == 200, r.text
+    m = r.json()["meta_info"]
+    assert len(m["output_token_logprobs"]) == m["completion_tokens"] and len(m["output_top_logprobs"][0]) == 2
+    commit = http.post("/generate", json={"text": "Q: hi\nA:", "sampling_params": {"max_new_tokens": 0}})
+    assert commit.status_code == 200
+    prompt_len = len(tokenizer.encode("Q: hi\nA:"))
+    sel = http.post("/generate", json={"text": ["Q: hi\nA: yes", "Q: hi\nA: no"],
+                                       "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                                       "return_logprob": True, "return_text_in_logprobs": True,
+                                       "logprob_start_len": max(prompt_len - 2, 0)}).json()
+    assert all(x["meta_info"]["input_token_logprobs"][-1][2] in (" yes", " no") for x in sel)
+    assert http.get("/get_model_info").json()["model_path"]
+    assert http.get("/flush_cache").status_code in (200, 400)
+
+
+def test_native_streaming_is_cumulative(http):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            "stream": True}
+    events = []
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(line[5:].strip())
+    assert events[-1] == "[DONE]"
+    data = [json.loads(e) for e in events[:-1]]
+    texts = [d["text"] for d in data]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    ref = http.post("/generate", json={**body, "stream": False}).json()
+    assert texts[-1] == ref["text"] and data[-1]["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+    assert all(d["meta_info"]["finish_reason"] is None for d in data[:-1])
+
+
+def test_info_flush_health_metrics(http, server):
+    info = http.get("/get_model_info").json()
+    assert info["model_path"] == "smollm2-135m-instruct" and info["is_generation"] is True
+    assert info["chat_template_roles"]["prefix"]["user"] == "<|im_start|>user\n"
+    assert "{% for message in messages %}" in info["chat_template"]
+    assert http.get("/model_info").json() == info
+    tok = http.post("/tokenize", json={"prompt": ["yes", "no"], "add_special_tokens": False}).json()
+    assert len(tok["tokens"]) == 2 and all(tok["tokens"])
+    assert http.get("/health_generate").status_code == 200
+    assert http.post("/flush_cache").status_code == 200
+    slots = _wait_idle(http)
+    assert slots["cached_slots"] == 0 and slots["free_slots"] == slots["total_slots"]
+    http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "temperature": 0})
+    http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "stream": True,
+                                       "regex": "[a-z ]+"})
+    text = httpx.get(server.url + "/metrics").text  # no key needed
+    for name in ("lmc:num_running_reqs", "lmc:num_queue_reqs", "lmc:token_usage", "lmc:cache_hit_rate",
+                 "lmc:gen_throughput", "lmc:prompt_tokens_total", "lmc:cached_tokens_total",
+                 "lmc:time_to_first_token_seconds_bucket", "lmc:e2e_request_latency_seconds_count",
+                 "lmc:jump_forward_tokens_total", "lmc:num_so_requests_total"):
+        assert re.search(rf"^{re.escape(name)}{{", text, re.M), name
+    assert float(re.search(r"^lmc:time_to_first_token_seconds_count\{.*\} (\S+)", text, re.M).group(1)) >= 1
+    assert float(re.search(r"^lmc:cached_tokens_total\{.*\} (\S+)", text, re.M).group(1)) > 0
+
+
+def test_many_concurrent_requests_complete_without_leaks(server, http):
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    async def one(i):
+        if i % 2:
+            r = await aclient.completions.create(model="m", prompt=f"Item {i}: the number after {i} is",
+                                                 max_tokens=4, temperature=0)
+            return r.choices[0].text
+        r = await aclient.chat.completions.create(model="m", messages=[{"role": "user", "content": f"Say {i}"}],
+                                                  max_tokens=4, temperature=0)
+        return r.choices[0].message.content
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            await aclient.close()
+
+    outs = asyncio.run(main())
+    assert len(outs) == 200 and all(isinstance(o, str) for o in outs)
+    _assert_no_leak(http)
+
+
+def test_client_disconnecting_mid_stream_leaks_no_slot(server, http):
+    body = {"prompt": "Write a long story about a dragon.", "max_tokens": 48, "temperature": 0, "stream": True}
+    for path, b in (("/v1/completions", body),
+                    ("/generate", {"text": body["prompt"], "sampling_params": {"max_new_tokens": 48}, "stream": True}),
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": body["prompt"]}],
+                                              "max_tokens": 48, "stream": True, "n": 2})):
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+            with c.stream("POST", path, json=b) as r:
+                assert r.status_code == 200
+                got = 0
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        got += 1
+                    if got >= 3:
+                        break  # hang up mid-stream
+    _assert_no_leak(http)
+    ok = http.post("/v1/completions", json={"prompt": "Still there?", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_overloaded_server_answers_503(engine):
+    with ServerThread(create_app(engine, max_pending=2)) as srv:
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={
+                    "prompt": f"Number {i}", "max_tokens": 8, "temperature": 0}) for i in range(8)))
+
+        codes = sorted(r.status_code for r in asyncio.run(main()))
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
+        assert httpx.get(srv.url + "/health").status_code == 200
