@@ -122,8 +122,9 @@ async def _join(mode: str, parent: Stream, children: list[Stream]) -> None:
 
 
 async def run_graph(g: ProgramGraph, args: dict, backend, defaults: GenParams,
-                    commits: dict[int, str], parallel_forks: bool = True) -> ProgramState:
-    stream = Stream(backend, defaults)
+                    commits: dict[int, str], parallel_forks: bool = True,
+                    num_api_spec_tokens: int | None = None) -> ProgramState:
+    stream = Stream(backend, defaults, num_api_spec_tokens=num_api_spec_tokens)
     roots = [r for r in g.roots() if g.node(r).stream == 0]
     await _walk(g, roots[0] if roots else None, stream, args, commits, parallel_forks)
     await _idle(stream)

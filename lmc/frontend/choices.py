@@ -40,7 +40,7 @@ class TokenLengthNormalized(ChoicesSamplingMethod):
 
 class GreedyTokenSelection(ChoicesSamplingMethod):
     """Compare choices token by token (shorter ones padded with their own mean) and keep those at each column's
-    maximum until one is left; ties go to the first."""
+    maximum (within 1e-4) until one is left; ties go to the first."""
 
     def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs,
                  unconditional_token_logprobs=None) -> ChoicesDecision:
@@ -50,7 +50,8 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
         alive = list(range(len(choices)))
         for col in range(width):
             top = max(matrix[i][col] for i in alive)
-            alive = [i for i in alive if matrix[i][col] == top]
+            # a tolerance, not float equality: batch composition moves logprobs by ~1e-6
+            alive = [i for i in alive if matrix[i][col] >= top - 1e-4]
             if len(alive) == 1:
                 break
         return ChoicesDecision(choices[alive[0]], {"normalized_prompt_logprobs": normalized_prompt_logprobs,

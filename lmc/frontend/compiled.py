@@ -136,7 +136,8 @@ class CompiledProgram:
 
         async def one(kw):
             try:
-                return await run_graph(g, dict(kw), backend, defaults, commits, self.fork_batch)
+                return await run_graph(g, dict(kw), backend, defaults, commits, self.fork_batch,
+                                       self.program.num_api_spec_tokens)
             finally:
                 progress.update()
 
