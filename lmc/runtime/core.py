@@ -134,6 +134,12 @@ class Req:
     generator: Any = None  # per-request torch.Generator when a seed is given
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
+    # Jump-forward (scheduler.py): tokens placed without sampling, tokens they replaced when the output was
+    # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
+    jump_forward_tokens: int = 0
+    retokenized_tokens: int = 0
+    jumps: int = 0
+    canonical_len: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -159,6 +165,9 @@ class Req:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
             "forward_passes": self.forward_passes,
+            "jump_forward_tokens": self.jump_forward_tokens,
+            "jumps": self.jumps,
+            "retokenized_tokens": self.retokenized_tokens,
         }
         if self.params.return_logprob:
             meta["input_token_logprobs"] = self.input_logprobs

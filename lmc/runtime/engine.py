@@ -36,9 +36,13 @@ class Engine:
                  chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
-                 cuda_graph_max_bs: int = 256, weights=None):
+                 cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
-        the model's own (used to put one set of weights into lmc and a reference model)."""
+        the model's own (used to put one set of weights into lmc and a reference model).
+        `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained
+        requests only; see scheduler.py). Off, every token is sampled: the comparison baseline.
+        `check_invariants`: check slot accounting after every step, and that every jump leaves the output ids
+        the tokenizer's canonical encoding of the output text (tests)."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
               "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -64,7 +68,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, SchedulerConfig(policy=schedule_policy, max_running=max_running_requests,
                                          max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk),
-            disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed)
+            disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed, grammars=self.grammars,
+            enable_jump_forward=enable_jump_forward, debug_checks=check_invariants)
         self.check_invariants = check_invariants
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._flushes: list[Future] = []

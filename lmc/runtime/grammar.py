@@ -7,9 +7,17 @@ xgrammar is imported only when a request carries a grammar, so the engine runs w
     req.grammar = cache.matcher(params)          # in Engine.make_request (caller's thread); RequestError if bad
     apply_grammar_masks(logits, reqs, vocab)     # in ModelRunner._postprocess, before sampling
     req.grammar.accept_token(tok)                # in Scheduler._process; is_terminated() -> finish
+    cache.jump_forward()                         # the JumpForward helper: forced strings -> canonical token ids
+
+Jump-forward (SGLang's compressed FSM, paper section 4 and appendix B.2): when the grammar forces a string, the
+scheduler appends it without sampling. `JumpForward.jump` turns the forced string into token ids by retokenizing a
+suffix window of the output (so the ids stay the tokenizer's canonical encoding of the output text), rolls the
+matcher back to the first token that changed and accepts the new ones; the scheduler then drops the KV of the
+changed tokens and re-prefills the new ones through the radix cache.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import threading
@@ -64,15 +72,28 @@ class GrammarCache:
         self.compiled: dict[tuple[str, str], Any] = {}
         self.compiles = 0
         self._compiler = None
+        self.info = None  # xgrammar TokenizerInfo, built with the compiler
+        self._jump = None
         self._lock = threading.Lock()
 
     def _get_compiler(self):
         if self._compiler is None:
             xgr = _xgr()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+            self.info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.stop_token_ids or None)
+            # Jump-forward's tokenizer tables (~0.1 s), built here so the first compile (in a caller's thread)
+            # pays for them rather than the scheduler loop.
+            self._jump = JumpForward(self.tokenizer, self.info, self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads)
         return self._compiler
+
+    def jump_forward(self) -> "JumpForward | None":
+        """The jump-forward helper for this tokenizer, or None when the tokenizer cannot retokenize text exactly
+        (see JumpForward.supported). Built with the compiler, i.e. before any request has a grammar."""
+        if self._jump is None:
+            with self._lock:
+                self._get_compiler()
+        return self._jump if self._jump.supported else None
 
     def compile(self, kind: str, text: str):
         key = (kind, text)
@@ -130,3 +151,148 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, vocab_size: int) -> No
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=apply)
+
+
+class JumpForward:
+    """Tokenizer side of jump-forward: turn a forced string into the canonical token ids of the output text.
+
+    `jump(matcher, out, canonical_len)` retokenizes a suffix window of the output: the bytes of its last tokens
+    plus the forced string. The window starts MARGIN tokens before `canonical_len` (the output before it is the
+    canonical encoding of its text: it ended at the last jump) and at least MIN_WINDOW tokens from the end, and
+    is widened (doubled) while its first token changes, up to the whole output. It never reaches into the prompt,
+    so the prompt/output boundary is kept (no fusion with the prompt's last token). The matcher is rolled back
+    to the first changed token and accepts the new ones.
+
+    The last token of the result is held back when it lies wholly inside the forced string and the grammar
+    allows a longer token that extends it (MLC-LLM's rule): the model then picks that token itself, so the jump
+    never creates a boundary a canonical tokenization would not have."""
+
+    MARGIN = 4
+    MIN_WINDOW = 8
+
+    def __init__(self, tokenizer, info, vocab_size: int):
+        xgr = _xgr()
+        self.vocab: list[bytes] = list(info.decoded_vocab)  # token id -> its bytes (0.1-0.2 s: once)
+        self.vocab_size = vocab_size
+        self.stop_ids = list(info.stop_token_ids)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: skip transformers' Python wrapper (~1.6x faster)
+            self.encode = lambda text: backend.encode(text, add_special_tokens=False).ids
+        else:  # pragma: no cover - slow tokenizers
+            self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        order = sorted(range(len(self.vocab)), key=self.vocab.__getitem__)  # for _extensions: byte order
+        self._keys, self._order = [self.vocab[i] for i in order], torch.tensor(order, dtype=torch.int64)
+        # Retokenizing a suffix needs encode(text) to spell exactly `text` (no prefix space, no normalization).
+        probes = ['{"a": [1, 2.5], "b c": "d"}', " x  y\n", "Hello, World!"]
+        self.supported = all(self._bytes(self.encode(p)) == p.encode() for p in probes)
+
+    def _bytes(self, ids) -> bytes:
+        vocab = self.vocab
+        return b"".join(vocab[t] for t in ids)
+
+    # ---- grammar queries -----------------------------------------------------------------------------------
+    def _allowed(self, matcher) -> torch.Tensor | None:
+        """Bool [vocab] of the tokens the matcher allows next, or None when it allows every token."""
+        if not matcher.fill_next_token_bitmask(self.bitmask, 0):
+            return None
+        words = self.bitmask[0]
+        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[:self.vocab_size].bool()
+
+    def forced_stop(self, matcher) -> int | None:
+        """The stop token to append when the grammar is complete and allows nothing but a stop token."""
+        if not matcher.is_completed() or matcher.is_terminated():
+            return None
+        allowed = self._allowed(matcher)
+        if allowed is None:
+            return None
+        ids = allowed.nonzero().flatten().tolist()
+        if not ids or any(t not in self.stop_ids for t in ids):
+            return None
+        return next(t for t in self.stop_ids if t in ids)
+
+    def _extensions(self, tid: int) -> torch.Tensor:
+        """Ids of the tokens whose bytes strictly extend token `tid`'s: in byte order, the run [b, next(b))."""
+        keys, ids = self._keys, self._order
+        b = self.vocab[tid]
+        if not b:
+            return ids[:0]
+        lo = bisect.bisect_right(keys, b)
+        stem = b.rstrip(b"\xff")
+        hi = bisect.bisect_left(keys, stem[:-1] + bytes([stem[-1] + 1])) if stem else len(keys)
+        return ids[lo:hi]
+
+    def _hold_last(self, matcher, last: int, jump_bytes: int) -> bool:
+        """Hold back the jump's last token when it lies wholly inside the forced string and the grammar, at the
+        point before it, allows a longer token that extends it."""
+        if len(self.vocab[last]) > jump_bytes:
+            return False
+        ext = self._extensions(last)
+        ext = ext[ext < self.vocab_size]
+        if not len(ext):
+            return False
+        allowed = self._allowed(matcher)
+        return allowed is None or bool(allowed[ext].any())
+
+    # ---- the jump ------------------------------------------------------------------------------------------
+    def retokenize(self, out: list[int], jump: str, canonical_len: int) -> tuple[int, list[int]] | None:
+        """(i, ids): the canonical ids of bytes(out[i:]) + jump, for the suffix window starting at i. None when
+        the window's text is not valid UTF-8 at the output's start or does not round-trip through the tokenizer."""
+        n, tail = len(out), jump.encode()
+        i = max(0, min(canonical_len - self.MARGIN, n - self.MIN_WINDOW))
+        while True:
+            window = self._bytes(out[i:]) + tail
+            try:
+                new = self.encode(window.decode("utf-8"))
+            except UnicodeDecodeError:  # the window starts inside a character: widen it
+                new = None
+            if new is not None and (i == 0 or (new and new[0] == out[i])):
+                break
+            if i == 0:
+                return None
+            i = max(0, i - max(n - i, self.MIN_WINDOW))
+        if self._bytes(new) != window:
+            return None
+        return i, new
+
+    def jump(self, matcher, out: list[int], canonical_len: int) -> tuple[int, list[int]] | None:
+        """Apply the grammar's forced string to the output `out` (every id of which the matcher accepted).
+        Returns (k, new_out): new_out[:k] == out[:k], the matcher has been rolled back by len(out) - k and has
+        accepted new_out[k:]. None (matcher untouched) when there is nothing to jump."""
+        s = matcher.find_jump_forward_string()
+        if not s:
+            return None
+        got = self.retokenize(out, s, canonical_len)
+        if got is None:
+            return None
+        i, new = got
+        new_out = out[:i] + new
+        k = i
+        limit = min(len(out), len(new_out))
+        while k < limit and out[k] == new_out[k]:
+            k += 1
+        if len(out) - k:
+            matcher.rollback(len(out) - k)
+        accepted, ok = 0, True
+        for t in new_out[k:-1]:
+            if not matcher.accept_token(t):
+                ok = False
+                break
+            accepted += 1
+        if ok:
+            if self._hold_last(matcher, new_out[-1], len(s.encode())):
+                new_out = new_out[:-1]
+            elif matcher.accept_token(new_out[-1]):
+                accepted += 1
+            else:
+                ok = False
+        if ok and new_out != out:
+            return k, new_out
+        # a rejected token (cannot happen for a byte-exact retokenization) or nothing gained: restore the matcher
+        if accepted > 0:
+            matcher.rollback(accepted)
+        for t in out[k:]:
+            ok = matcher.accept_token(t)
+            assert ok, "restoring the matcher after an aborted jump failed"
+        return None

@@ -9,6 +9,13 @@ memory holds and resets after a retraction). At most one request is prefilled in
 runs out of KV, the least-progressed request is retracted: its KV goes into the radix tree, it returns to the
 queue, and later resumes from whatever part of its KV is still cached, with the same result.
 
+Jump-forward (constrained requests, SGLang's compressed-FSM decoding): after a constrained request accepts a
+token, a string its grammar forces is appended without sampling (`_jump_forward`). The output is retokenized over a
+suffix window so its ids stay the canonical encoding of its text, the matcher is rolled back to the first changed
+token, and the request leaves the batch: its KV up to the first changed token goes into the radix tree, the rest is
+freed, and it is re-queued, so its next prefill matches the unchanged prefix and computes only the new tokens (the
+"KV rollback" costs nothing). A grammar that is complete and allows only a stop token gets it appended too.
+
 Slot accounting invariant (checked by `check_invariants()` after every step in tests): every KV slot is exactly
 one of free, owned by the radix tree (evictable or protected), or owned by a resident request (row positions
 `[cache_protected_len, kv_len)`).
@@ -29,6 +36,7 @@ CLIP_NEW_TOKENS = 4096  # cap on the per-request output estimate used by admissi
 IN_BATCH_CHECK = 32  # requests matching at most this many cached tokens are checked against the batch...
 IN_BATCH_DEPRIORITIZE = 32  # ...and wait a step if a request admitted earlier carries >= this many of their tokens
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward extends at most this long
 
 
 @dataclass
@@ -45,16 +53,22 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, *, disable_radix_cache: bool = False,
-                 tokenizer=None, seed: int = 0):
+                 tokenizer=None, seed: int = 0, grammars=None, enable_jump_forward: bool = True,
+                 debug_checks: bool = False):
+        """`grammars`: the engine's GrammarCache (jump-forward needs its tokenizer tables). `debug_checks`: assert,
+        after every jump, that the output ids are the tokenizer's canonical encoding of the output text."""
         if cfg.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {cfg.policy!r}; choose one of {POLICIES}")
         self.runner, self.cfg, self.tokenizer = runner, cfg, tokenizer
         self.table = runner.req_pool.table
         self.disable_radix_cache = disable_radix_cache
+        self.grammars, self.enable_jump_forward, self.debug_checks = grammars, enable_jump_forward, debug_checks
         self._rng = random.Random(seed)
         self.reset()
         self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
-                      "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0}
+                      "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0,
+                      "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
+                      "jump_seconds": 0.0, "canonical_checks": 0}
 
     def reset(self) -> None:
         """Forget every request and cached prefix and rebuild the pools (after a failure in a step)."""
@@ -64,15 +78,19 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # ---- front ---------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
+            self._early.append(req)  # the grammar forced the whole output: no forward needed
+            return
         self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self._early)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Only when idle (as SGLang): cached slots may be in use otherwise."""
@@ -84,7 +102,9 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`)."""
-        self._aborted: list[Req] = []
+        self._aborted: list[Req] = self._early
+        self._early = []
+        self._riders: set[Req] = set()  # running requests decoding inside this step's prefill forward
         sb = self._schedule_prefill() or self._schedule_decode()
         if sb is None:
             return self._aborted
@@ -155,6 +175,18 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r not in admitted]
         if not reqs:
             return None
+        if (self.running and self.chunked is None and max(extend_lens) <= MIX_MAX_EXTEND
+                and all(r.jumps and r.computed_tokens for r in reqs)
+                and self.allocator.available + self.cache.evictable_size >= len(self.running)):
+            # Only short jump-forward extends to prefill: the running requests decode in the same forward (as
+            # 1-token extends), so a jump costs its request no extra forward and the others no stall.
+            self._riders = set(self.running)
+            for r in self.running:
+                reqs.append(r)
+                prefix_lens.append(r.kv_len)
+                extend_lens.append(1)
+                slots.append(self._alloc_into(r, 1))
+            self.stats["mixed_forwards"] += 1
         return ScheduledBatch(reqs, False, prefix_lens, extend_lens, torch.cat(slots),
                               [p + e == len(r.fill_ids) and r.params.max_new_tokens > 0
                                for r, p, e in zip(reqs, prefix_lens, extend_lens)])
@@ -313,9 +345,16 @@ class Scheduler:
                 reason = {"type": "abort", "message": f"token {nid} was sampled but its grammar rejects it"}
             else:
                 reason = self._finish_reason(r, nid)
+            if reason is None and r.grammar is not None:
+                jumped = self._jump_forward(r)
+                if jumped is not None:  # r left the batch: finished, or re-queued to prefill the forced tokens
+                    if jumped == "requeue":
+                        self.waiting.insert(0, r)
+                    progressed.append(r)
+                    continue
             if reason is not None:
                 self._finish(r, reason)
-            elif not sb.is_decode:
+            elif not sb.is_decode and r not in self._riders:
                 self._cache_unfinished(r)
                 self.running.append(r)
             progressed.append(r)
@@ -341,6 +380,103 @@ class Scheduler:
         if r.seq_len >= self.runner.context_length:
             return {"type": "length", "length": n}
         return None
+
+    # ---- jump-forward --------------------------------------------------------------------------------------
+    def _jump_helper(self):
+        if not self.enable_jump_forward or self.grammars is None or self.tokenizer is None:
+            return None
+        return self.grammars.jump_forward()
+
+    def _jump_forward(self, r: Req) -> str | None:
+        """Append what r's grammar forces now. Returns None (nothing forced: r carries on), "finished", or
+        "requeue": r is no longer resident and the caller queues it; its next prefill re-matches the unchanged
+        prefix in the radix tree and computes the new tokens (and samples the next one)."""
+        jf = self._jump_helper()
+        if jf is None:
+            return None
+        t0 = time.perf_counter()
+        out, m = r.output_ids, r.grammar
+        got = jf.jump(m, out, r.canonical_len)
+        k, new_out = got if got is not None else (len(out), list(out))
+        stop = jf.forced_stop(m)
+        if got is None and stop is None:
+            self.stats["jump_seconds"] += time.perf_counter() - t0
+            return None
+        if stop is not None:
+            m.accept_token(stop)
+            if got is None and r.canonical_len < len(out):  # tokens sampled since the last jump: canonicalize
+                rt = jf.retokenize(out, "", r.canonical_len)  # them too (free: r finishes, no KV is redone)
+                if rt is not None:
+                    new_out = out[:rt[0]] + rt[1]
+                    k = rt[0]
+                    while k < min(len(out), len(new_out)) and out[k] == new_out[k]:
+                        k += 1
+            new_out.append(stop)
+        # KV: keep the positions before the first changed token; the tree takes them, the rest is freed.
+        if r.row >= 0:
+            self._truncate_kv(r, min(r.kv_len, len(r.input_ids) + k))
+            if r in self.running:
+                self.running.remove(r)
+            self._release(r)
+        r.computed_tokens = min(r.computed_tokens, len(r.input_ids) + k)
+        r.match_version = -1
+        added = len(new_out) - k
+        r.jumps += 1
+        r.jump_forward_tokens += added
+        r.retokenized_tokens += len(out) - k
+        self.stats["jumps"] += 1
+        self.stats["jump_forward_tokens"] += added
+        self.stats["retokenized_tokens"] += len(out) - k
+        if r.params.return_logprob:  # forced tokens were not sampled: they carry no logprob
+            del r.output_logprobs[k:], r.output_top_logprobs[k:]
+            r.output_logprobs.extend((None, t, None) for t in new_out[k:])
+            r.output_top_logprobs.extend([None] * added)
+        r.output_ids = new_out
+        r.canonical_len = len(new_out) - (stop is not None)
+        reason = self._jump_finish_reason(r, added, stop)
+        if self.debug_checks and (reason is None or reason["type"] == "stop"):
+            self._check_canonical(r, stop)
+        self.stats["jump_seconds"] += time.perf_counter() - t0
+        if reason is not None:
+            self._finish(r, reason)
+            return "finished"
+        return "requeue"
+
+    def _jump_finish_reason(self, r: Req, added: int, stop: int | None) -> dict | None:
+        p, n = r.params, len(r.output_ids)
+        limit = min(p.max_new_tokens, self.runner.context_length - len(r.input_ids))
+        if n > limit:  # the forced tokens overshoot the budget: cut them there
+            del r.output_ids[limit:]
+            del r.output_logprobs[limit:], r.output_top_logprobs[limit:]
+            if stop is not None and r.output_ids[-1:] != [stop]:
+                stop = None
+        if stop is not None:
+            return {"type": "stop", "matched": stop}
+        if p.stop and self.tokenizer is not None and len(r.output_ids) >= p.min_new_tokens:
+            window = max(len(s) for s in p.stop) + 2 + added
+            tail = self.tokenizer.decode(r.output_ids[-window:], skip_special_tokens=True)
+            hit = [s for s in p.stop if s in tail]
+            if hit:
+                return {"type": "stop", "matched": hit[0]}
+        if len(r.output_ids) >= limit:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _check_canonical(self, r: Req, stop: int | None) -> None:
+        ids = r.output_ids[:-1] if stop is not None else r.output_ids
+        text = self.tokenizer.decode(ids)
+        canonical = self.tokenizer.encode(text, add_special_tokens=False)
+        assert ids == canonical, (f"after a jump the output ids are not the canonical encoding of {text!r}: "
+                                  f"{ids} != {canonical}")
+        self.stats["canonical_checks"] += 1
+
+    def _truncate_kv(self, r: Req, keep: int) -> None:
+        """Drop r's KV past `keep` positions: free the slots r owns there (the tree's stay in the tree)."""
+        if keep < r.kv_len:
+            lo = max(keep, r.cache_protected_len)
+            if lo < r.kv_len:
+                self.allocator.free(self.table[r.row, lo:r.kv_len].to("cpu", torch.int64))
+            r.kv_len = keep
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finished, r.finish_reason = True, reason
