@@ -423,9 +423,14 @@ def _mark_unbounded(g: ProgramGraph, branch: int) -> None:
 
 
 def _user_line(program) -> str:
-    for frame in reversed(traceback.extract_stack()[:-2] + traceback.extract_tb(__import__("sys").exc_info()[2])):
+    """`file.py:line` of the program's own code where tracing stopped (file name only: stable across checkouts)."""
+    import os
+    import sys
+
+    frames = traceback.extract_tb(sys.exc_info()[2])
+    for frame in reversed(frames):
         if frame.filename == program.func.__code__.co_filename:
-            return f"{frame.filename}:{frame.lineno}"
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
     return ""
 
 
