@@ -251,7 +251,36 @@ def _convert(out, dtype, name):
         raise ValueError(f"gen({name!r}, dtype={dtype.__name__}): the model produced {out!r}") from None
 
 
-class ProgramState:
+class RoleMethods:
+    """`s.system(...)`, `s.user(...)`, `s.assistant(...)`: with an argument, the whole turn at once; without, a
+    context manager around the turn. Shared by the running state and the tracing state (`_put` differs)."""
+
+    def _put(self, expr) -> None:
+        raise NotImplementedError
+
+    def _role(self, role: str, expr=None):
+        if expr is not None:
+            self._put(ExprList([RoleBegin(role), _as_expr(expr), RoleEnd(role)]))
+            return contextlib.nullcontext()
+        return self._scope(RoleBegin(role), RoleEnd(role))
+
+    def system(self, expr=None):
+        return self._role("system", expr)
+
+    def user(self, expr=None):
+        return self._role("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def _scope(self, begin: Expr, end: Expr):
+        self._put(begin)
+        yield self
+        self._put(end)
+
+
+class ProgramState(RoleMethods):
     """The `s` a program writes to. `s += expr` queues work and returns at once; `s["x"]` waits for x."""
 
     def __init__(self, stream: Stream):
@@ -304,26 +333,8 @@ class ProgramState:
         return f"ProgramState({self.text()!r})"
 
     # ---- roles, scopes, forks ------------------------------------------------------------------------------
-    def _role(self, role: str, expr=None):
-        if expr is not None:
-            self._s.submit(ExprList([RoleBegin(role), _as_expr(expr), RoleEnd(role)]))
-            return contextlib.nullcontext()
-        return self._scope(RoleBegin(role), RoleEnd(role))
-
-    def system(self, expr=None):
-        return self._role("system", expr)
-
-    def user(self, expr=None):
-        return self._role("user", expr)
-
-    def assistant(self, expr=None):
-        return self._role("assistant", expr)
-
-    @contextlib.contextmanager
-    def _scope(self, begin: Expr, end: Expr):
-        self._s.submit(begin)
-        yield self
-        self._s.submit(end)
+    def _put(self, expr) -> None:
+        self._s.submit(expr)
 
     def var_scope(self, name: str):
         """`with s.var_scope("x"): s += ...` sets x to the text appended inside the block."""

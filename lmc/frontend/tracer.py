@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..ir import ProgramGraph
 from .primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Select, Text, Unordered, _as_expr
+from .state import RoleMethods
 
 MAX_PATHS = 16
 _SENTINEL = re.compile("\x00(arg|var):([^\x00]*)\x00")
@@ -221,7 +222,7 @@ def _parts(text: str) -> list[dict]:
     return parts
 
 
-class TraceState:
+class TraceState(RoleMethods):
     """The `s` a traced body writes to: records nodes instead of running them."""
 
     def __init__(self, tracer: _Tracer, stream: int):
@@ -290,26 +291,8 @@ class TraceState:
     def sync(self):
         pass
 
-    def _role(self, role, expr=None):
-        if expr is not None:
-            self.__iadd__(ExprList([RoleBegin(role), _as_expr(expr), RoleEnd(role)]))
-            return contextlib.nullcontext()
-        return self._scope(lambda: self.__iadd__(RoleBegin(role)), lambda: self.__iadd__(RoleEnd(role)))
-
-    def system(self, expr=None):
-        return self._role("system", expr)
-
-    def user(self, expr=None):
-        return self._role("user", expr)
-
-    def assistant(self, expr=None):
-        return self._role("assistant", expr)
-
-    @contextlib.contextmanager
-    def _scope(self, begin, end):
-        begin()
-        yield self
-        end()
+    def _put(self, expr) -> None:
+        self.__iadd__(expr)
 
     def var_scope(self, name):
         t = self._t
@@ -317,7 +300,7 @@ class TraceState:
         def end():
             t.producers[name] = t.emit("var_scope", self._stream, name=name, edge="end")
 
-        return self._scope(lambda: t.emit("var_scope", self._stream, name=name, edge="begin"), end)
+        return _around(lambda: t.emit("var_scope", self._stream, name=name, edge="begin"), end)
 
     def fork(self, size: int = 1, position_ids_offset=None) -> "TraceGroup":
         t = self._t
@@ -381,6 +364,13 @@ def nested_call_while_tracing(program) -> None:
     """A program called from a body being traced: recorded as a dynamic region (not run during tracing)."""
     if _tracing.get() is not None:
         raise _Dynamic(f"nested program call {program.__name__}()")
+
+
+@contextlib.contextmanager
+def _around(begin, end):
+    begin()
+    yield
+    end()
 
 
 def program_arguments(program, concrete: dict | None = None) -> dict:
