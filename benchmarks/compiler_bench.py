@@ -100,13 +100,14 @@ def main():
 
         configs = [("interpreted", interp, {}), ("compiled", compiled(), {}),
                    ("no hint", compiled(fork_commit=False), {}), ("no fork batching", compiled(fork_batch=False), {}),
+                   ("no select lowering", compiled(select_lowering=False), {}),
                    ("no hoisting", compiled(hoist="off"), {}),
                    ("FCFS", compiled(), {"policy": "fcfs"}), ("radix cache off", compiled(), {"no_cache": True})]
         for label, run, env in configs:
             sched.cfg.policy = env.get("policy", "lpm")
             sched.cache.disabled = env.get("no_cache", False)
             row[label] = measure(backend, run)
-            print(f"{name:16s} {label:16s} {row[label]['programs_s']:7.2f} programs/s  "
+            print(f"{name:16s} {label:18s} {row[label]['programs_s']:7.2f} programs/s  "
                   f"prefill {row[label]['prefill_tokens']:6d} tokens  forwards {row[label]['forwards']}", flush=True)
         sched.cfg.policy, sched.cache.disabled = "lpm", False
         same = row["compiled"]["variables"] == row["interpreted"]["variables"]

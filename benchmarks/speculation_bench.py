@@ -189,8 +189,8 @@ def main():
         backend.shutdown()
         s, n, sp = results[mode]["summary"], results[mode]["normal"], results[mode]["speculative"]
         print(f"\n{mode} model, {s['programs']} programs (temperature 0)")
-        print(f"| run | calls | prompt tokens (cached) | completion tokens | wall s |")
-        print(f"| --- | --- | --- | --- | --- |")
+        print("| run | calls | prompt tokens (cached) | completion tokens | wall s |")
+        print("| --- | --- | --- | --- | --- |")
         for name, r in (("normal", n), ("speculative", sp)):
             print(f"| {name} | {r['calls']} | {r['prompt_tokens']} ({r['cached_tokens']}) | "
                   f"{r['completion_tokens']} | {r['wall_s']} |")

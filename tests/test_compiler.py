@@ -265,3 +265,108 @@ def test_cost_model_counts_calls_and_cached_tokens(tokenizer):
     assert cost["no_cache"]["calls"] == 6 and cost["no_cache"]["cached_tokens"] == 0
     assert cost["radix_cache"]["cached_tokens"] > 0
     assert cost["radix_cache"]["prompt_tokens"] == cost["no_cache"]["prompt_tokens"]
+
+
+@sgl.function
+def rate(s, answer):
+    s += sgl.user("Is this answer right: " + answer + "? Answer yes or no.")
+    s += sgl.assistant(sgl.select("verdict", choices=["yes", "no"]) + " because" + sgl.gen("why", max_tokens=6))
+    s += sgl.user("Pick one.") + sgl.assistant(sgl.select("word", choices=["certainly yes", "no way"]))
+    s += sgl.user("Again: " + answer) + sgl.assistant("Verdict:" + sgl.select("again", choices=[" yes", " no"]))
+
+
+def test_select_lowering_plans_single_token_choices_only(engine, tokenizer):
+    from lmc.passes.select_lowering import single_token_selects
+
+    backend = sgl.Local(engine=engine)
+    g = rate.compile().graph()
+    names = {g.node(n).attrs["name"]: ids for n, ids in single_token_selects(g, backend.chat_template, tokenizer).items()}
+    assert set(names) == {"verdict", "again"}  # "certainly yes" is several tokens
+    assert names["verdict"] == [tokenizer.encode(c, add_special_tokens=False)[0] for c in ("yes", "no")]
+    report = rate.compile().report(template=backend.chat_template, tokenizer=tokenizer)
+    assert sorted(report["select_lowering"].values()) == [2, 2]
+    assert rate.compile(select_lowering=False).report(template=backend.chat_template,
+                                                      tokenizer=tokenizer)["select_lowering"] == {}
+
+
+def test_lowered_select_decides_like_the_interpreter_with_fewer_prompt_tokens(engine):
+    backend = sgl.Local(engine=engine)
+    args = [{"answer": a} for a in ("Paris is in France", "Two plus two is five", "Cats bark")]
+    interpreted = rate.run_batch(args, backend=backend, temperature=0)
+    used = {}
+    for lowering in (True, False):
+        engine.flush_cache()
+        before = engine.stats()["prompt_tokens"]
+        states = rate.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
+        used[lowering] = engine.stats()["prompt_tokens"] - before
+        for state, ref in zip(states, interpreted):
+            assert state.variables() == ref.variables()
+            for name in ("verdict", "again"):
+                got = state.get_meta_info(name)["normalized_prompt_logprobs"]
+                want = ref.get_meta_info(name)["normalized_prompt_logprobs"]
+                assert got == pytest.approx(want, abs=1e-4)
+    assert used[True] < used[False]  # one scoring request per lowered select instead of one per choice
+
+
+def test_lowered_select_falls_back_when_the_prompt_tokenizes_differently(engine, tokenizer):
+    import asyncio
+
+    backend = sgl.Local(engine=engine)
+    [es] = tokenizer.encode("es", add_special_tokens=False)
+    # planned as "es" after constant text, but at run time the prompt ends in "y": "yes" is one merged token
+    assert asyncio.run(backend.select_tokens("Say y", ["es"], [es], sgl.token_length_normalized)) is None
+
+
+@sgl.function
+def summarize(s, text):
+    s += "Summarize in three words: " + text + "\nSummary:" + sgl.gen("summary", max_tokens=8, stop="\n")
+
+
+@sgl.function
+def pipeline(s, doc):
+    s += "Document: " + doc + "\nTopic:" + sgl.gen("topic", max_tokens=6, stop="\n")
+    r = summarize(s["topic"] + " -- " + doc)
+    s += "\nSummary:" + r["summary"] + "\nIs the summary good? " + sgl.select("ok", choices=["yes", "no"])
+
+
+def test_nested_program_call_becomes_a_call_node_and_runs_like_the_interpreter(engine):
+    g = pipeline.compile().graph()
+    assert g.static() and g.count("call") == 1 and g.count("dynamic") == 0
+    [call] = [n for n in g.order() if g.node(n).kind == "call"]
+    a = g.node(call).attrs
+    assert a["program"] == "summarize" and a["args"]["text"][0] == {"var": "topic"}
+    assert [g.node(n).attrs["name"] for n in g.order() if g.node(n).kind == "var"][-1] == "summarize#0.summary"
+    assert [g.node(p).kind for p in g.predecessors(call)] == ["gen"]
+    assert parse_graph(print_graph(g)) == g
+    backend = sgl.Local(engine=engine)
+    doc = "The Eiffel tower was built in 1889 for the World's Fair in Paris."
+    interpreted = pipeline.run(doc=doc, backend=backend, temperature=0)
+    compiled = pipeline.compile().run(doc=doc, backend=backend, temperature=0)
+    assert compiled.variables() == interpreted.variables() and compiled.text() == interpreted.text()
+
+
+def test_a_loaded_graph_cannot_run_its_calls():
+    g = parse_graph(print_graph(pipeline.compile().graph()))
+    assert g.callees == {} and g.count("call") == 1
+
+
+@sgl.function
+def rate_dynamic(s, answer):
+    s += sgl.user("Is this answer right: " + answer + "? Answer yes or no.")
+    s += sgl.assistant(sgl.select("verdict", choices=["yes", "no"]))
+    s += sgl.user(f"Your answer has {len(s['verdict'])} letters. Sure?")  # host code: a dynamic region
+    s += sgl.assistant(sgl.select("sure", choices=["yes", "no"]))
+
+
+def test_interpreted_dynamic_program_still_gets_lowered_selects(engine):
+    backend = sgl.Local(engine=engine)
+    assert not rate_dynamic.compile().graph().static()
+    args = [{"answer": a} for a in ("Paris is in France", "Cats bark")]
+    used, states = {}, {}
+    for mode, run in (("interpreted", rate_dynamic.run_batch), ("compiled", rate_dynamic.compile().run_batch)):
+        engine.flush_cache()
+        before = engine.stats()["prompt_tokens"]
+        states[mode] = [st.variables() for st in run(args, backend=backend, temperature=0)]
+        used[mode] = engine.stats()["prompt_tokens"] - before
+    assert states["compiled"] == states["interpreted"]
+    assert used["compiled"] < used["interpreted"]

@@ -51,6 +51,20 @@ def test_prefill_only_returns_prompt_logprobs(engine, tokenizer):
     assert all(lp < 0 for lp, _, _ in m["input_token_logprobs"][1:])
 
 
+def test_token_ids_logprob_scores_chosen_ids_at_each_output_position(engine, tokenizer):
+    ids = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" three", " four", " apple")]
+    r = engine.generate("One two", {"max_new_tokens": 3, "temperature": 0}, return_logprob=True,
+                        token_ids_logprob=ids)
+    m = r["meta_info"]
+    assert len(m["output_token_ids_logprobs"]) == 3
+    for (lp, tid, _), row in zip(m["output_token_logprobs"], m["output_token_ids_logprobs"]):
+        assert [t for _, t, _ in row] == ids and all(x <= 0 for x, _, _ in row)
+        if tid in ids:  # the sampled token's own logprob agrees with its score in the list
+            assert row[ids.index(tid)][0] == pytest.approx(lp, abs=1e-5)
+    with pytest.raises(RequestError, match="token_ids_logprob"):
+        engine.generate("x", {"max_new_tokens": 1}, return_logprob=True, token_ids_logprob=[10**9])
+
+
 def test_stop_string_and_stop_token(engine):
     r = engine.generate("Count: 1, 2, 3, 4,", {"max_new_tokens": 20, "temperature": 0, "stop": " 7"})
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 7"}

@@ -276,6 +276,41 @@ def test_native_streaming_is_cumulative(http):
     ref = http.post("/generate", json={**body, "stream": False}).json()
     assert texts[-1] == ref["text"] and data[-1]["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
     assert all(d["meta_info"]["finish_reason"] is None for d in data[:-1])
+    assert all("index" not in d for d in data)  # SGLang marks events with an index only in a batch
+
+
+def _sse_events(http, body) -> list[dict]:
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["The capital of France is", "One, two,"],
+     "sampling_params": [{"max_new_tokens": 6, "temperature": 0}, {"max_new_tokens": 3, "temperature": 0}]},
+    {"input_ids": [[1, 504, 3575, 282], [1, 11, 2]], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+     "return_logprob": True},
+    {"text": "Pick a number:", "sampling_params": {"max_new_tokens": 4, "n": 2, "temperature": 0.8,
+                                                    "sampling_seed": 3}},
+], ids=["texts", "input_ids", "n"])
+def test_native_batch_streaming(http, body):
+    """A batch (several prompts, or n > 1) streams SGLang's way: every event is one request's output so far, marked
+    with that request's position in the batch; each request ends with its full result, equal to the non-streamed
+    batch's."""
+    events = _sse_events(http, {**body, "stream": True})
+    ref = http.post("/generate", json=body).json()
+    assert sorted({e["index"] for e in events}) == list(range(len(ref)))
+    for i, want in enumerate(ref):
+        mine = [e for e in events if e["index"] == i]
+        texts = [e["text"] for e in mine]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
+        last = mine[-1]
+        assert (last["text"], last["output_ids"]) == (want["text"], want["output_ids"]) and want["output_ids"]
+        assert last["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert ("output_token_logprobs" in last["meta_info"]) == bool(body.get("return_logprob"))
 
 
 def test_info_flush_health_metrics(http, server):
@@ -326,21 +361,50 @@ def test_many_concurrent_requests_complete_without_leaks(server, http):
     _assert_no_leak(http)
 
 
-def test_client_disconnecting_mid_stream_leaks_no_slot(server, http):
-    body = {"prompt": "Write a long story about a dragon.", "max_tokens": 48, "temperature": 0, "stream": True}
-    for path, b in (("/v1/completions", body),
-                    ("/generate", {"text": body["prompt"], "sampling_params": {"max_new_tokens": 48}, "stream": True}),
-                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": body["prompt"]}],
-                                              "max_tokens": 48, "stream": True, "n": 2})):
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-            with c.stream("POST", path, json=b) as r:
+def _engine_stats(http) -> dict:
+    return http.get("/get_server_info").json()["internal_states"][0]
+
+
+def _assert_aborted(http, before: dict, n: int) -> None:
+    """n requests were aborted since `before`, after far fewer decode steps than the 2000 they asked for."""
+    _wait_idle(http)
+    after = _engine_stats(http)
+    assert after["aborted"] == before["aborted"] + n
+    assert after["decode_forwards"] - before["decode_forwards"] < 200
+
+
+def test_client_disconnect_aborts_its_requests(server, http):
+    """A client that hangs up mid-stream, or before its non-streamed response, has its requests aborted: decoding
+    stops (each asked for 2000 tokens, ignoring EOS) and no KV slot stays owned."""
+    prompt = "Write a long story about a dragon."
+    openai_long = {"max_tokens": 2000, "min_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    native_long = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    streamed = [("/v1/completions", {"prompt": prompt, "stream": True, **openai_long}, 1),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "stream": True, "n": 2,
+                                          **openai_long}, 2),
+                ("/generate", {"text": prompt, "stream": True, "sampling_params": native_long}, 1),
+                ("/generate", {"text": [prompt, "Once upon a time"], "stream": True,
+                               "sampling_params": native_long}, 2)]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path, body, n in streamed:
+        before = _engine_stats(http)
+        with httpx.Client(base_url=server.url, headers=auth, timeout=60) as c:
+            with c.stream("POST", path, json=body) as r:
                 assert r.status_code == 200
                 got = 0
                 for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        got += 1
+                    got += line.startswith("data:")
                     if got >= 3:
                         break  # hang up mid-stream
+        _assert_aborted(http, before, n)
+    waited = [("/v1/completions", {"prompt": prompt, **openai_long}, 1),
+              ("/generate", {"text": [prompt, "Once upon a time"], "sampling_params": native_long}, 2)]
+    for path, body, n in waited:
+        before = _engine_stats(http)
+        with httpx.Client(base_url=server.url, headers=auth, timeout=httpx.Timeout(60, read=1.0)) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post(path, json=body)  # gives up waiting and closes the connection
+        _assert_aborted(http, before, n)
     _assert_no_leak(http)
     ok = http.post("/v1/completions", json={"prompt": "Still there?", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200

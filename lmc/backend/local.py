@@ -14,6 +14,7 @@ class Local:
 
         self.engine = engine or Engine(model, **engine_kwargs)
         self.model = self.engine.model_name
+        self.tokenizer = self.engine.tokenizer
         self.chat_template = ChatTemplate.from_tokenizer(self.engine.tokenizer)
 
     def __repr__(self) -> str:
@@ -46,17 +47,39 @@ class Local:
         """Score every choice in one batched prefill that shares the prompt's cached prefix. Scoring starts two
         tokens before the prompt's end (SGLang's token-healing window), since the prompt's last token may merge
         with a choice's first one."""
+        start = max(len(self.engine.tokenizer.encode(text)) - 2, 0)
+        rs = await self._generate([text + c for c in choices], {"max_new_tokens": 0},
+                                  return_logprob=True, logprob_start_len=start)
+        return await self._decide(choices, [r["meta_info"]["input_token_logprobs"] for r in rs], method)
+
+    async def select_tokens(self, text: str, choices: list[str], token_ids: list[int],
+                            method: ChoicesSamplingMethod) -> ChoicesDecision | None:
+        """The compiler's lowered select (lmc.passes.select_lowering): each choice is the single token
+        `token_ids[i]` after `text`, so one request scores them all: the prompt's last two logprobs plus each
+        id's next-token logprob are exactly the vectors `select` computes per choice. None (use `select`) when
+        the prompt's real tokenization disagrees with the plan."""
         tok = self.engine.tokenizer
-        start = max(len(tok.encode(text)) - 2, 0)
-        rs = await self.engine.async_generate([text + c for c in choices], {"max_new_tokens": 0},
-                                              return_logprob=True, logprob_start_len=start)
+        ids = tok.encode(text)
+        if any(tok.encode(text + c) != ids + [t] for c, t in zip(choices, token_ids)):
+            return None
+        r = (await self._generate([text], {"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
+                                  logprob_start_len=max(len(ids) - 2, 0), token_ids_logprob=list(token_ids)))[0]
+        prompt = r["meta_info"]["input_token_logprobs"]
+        nxt = r["meta_info"]["output_token_ids_logprobs"][0]
+        return await self._decide(choices, [prompt + [lp] for lp in nxt], method)
+
+    async def _generate(self, prompts: list[str], params: dict, **logprob_opts) -> list[dict]:
+        rs = await self.engine.async_generate(prompts, params, **logprob_opts)
         for r in rs:
             if "error" in r:
                 raise ValueError(r["error"])
-        input_lps = [r["meta_info"]["input_token_logprobs"] for r in rs]
+        return rs
+
+    async def _decide(self, choices: list[str], input_lps: list[list], method: ChoicesSamplingMethod):
         normalized = [_mean([lp for lp, _, _ in lps if lp is not None]) for lps in input_lps]
         uncond = None
         if method.requires_unconditional_logprobs:
+            tok = self.engine.tokenizer
             ids = [tok.encode(c, add_special_tokens=False) or [tok.eos_token_id] for c in choices]
             ur = await self.engine.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
                                                   return_logprob=True, logprob_start_len=0)

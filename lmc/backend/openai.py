@@ -14,12 +14,22 @@ models), through the `openai` client.
 - Opt-in response cache (`cache=True`): keyed by the endpoint, model and the full request; bounded (entries);
   in memory, and on disk under `$LMC_CACHE_DIR/openai` when that is set (or `cache_dir`). Only deterministic
   requests (temperature 0 or a seed) are cached unless `cache="always"`.
-- Constraints lowered to what the endpoint supports: lmc / SGLang / vLLM servers take `regex`, `json_schema`,
-  `ebnf`, `stop_token_ids`, `top_k`, `min_p`... as extra body fields; api.openai.com gets `response_format`
-  json_schema for JSON schemas and typed gens (int/float/bool/str wrapped in an object, unwrapped here), and a
-  clear error for what it cannot do (regex). `select` scores choices from prompt logprobs (`echo`) where the
-  endpoint returns them (lmc, vLLM, completion models), else asks for a JSON object whose value is an `enum` of
-  the choices (one call).
+- Sampling extras (`stop_token_ids`, `top_k`, `min_p`...) go to lmc / SGLang / vLLM servers as extra body fields;
+  api.openai.com refuses them with a clear error.
+- Constraints (`regex`, `json_schema` and typed gens; `select`) are lowered to the best the endpoint supports, in
+  this order (`constraints="auto"`; `constraints="server" | "json_schema" | "logit_bias"` forces one):
+  1. server: lmc / SGLang / vLLM servers decode `regex`, `json_schema` and typed gens themselves (extra body
+     fields); `select` scores its choices from prompt logprobs (`echo`) with the program's choices method where
+     the endpoint returns them (lmc, vLLM, completion models);
+  2. json_schema (chat models): `response_format` json_schema for JSON schemas and typed gens (int/float/bool/str
+     wrapped in an object, unwrapped here); `select` asks for an object whose value is an `enum` of the choices;
+  3. logit_bias (see logit_bias.py): calls of one token each with +100 on the tokens the constraint allows next;
+     `select` decides token by token (greedy at temperature 0, not the choices method) and stops once one choice
+     is left; typed gens and regexes end when the model ends them (JSON schemas are out of reach). It needs the
+     model's tokenizer (`tokenizer=`; tiktoken's for OpenAI models by default) and, past the first token, a
+     completion model or a chat API that continues a partial assistant message (lmc, vLLM). Its calls count in
+     `calls` and, separately, in `bias_calls`.
+  Where nothing fits, UnsupportedOnEndpoint says why and what would work.
 - API speculative execution (`@function(num_api_spec_tokens=N)`): the first gen of a run of gens over-generates
   (at least N tokens, no stop); the following gens and constant fills are served from that text while it matches
   the template. The buffer is anchored to the exact state text it continues and lives on the program's own
@@ -38,17 +48,19 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..frontend.chat_template import ROLES, ChatTemplate
 from ..frontend.choices import ChoicesDecision, ChoicesSamplingMethod
 from ..frontend.primitives import GenParams, Image
+from .logit_bias import DTYPE_PATTERNS, Stepper, Vocabulary, load_tokenizer
 
 COMPLETION_MODELS = {"gpt-3.5-turbo-instruct", "davinci-002", "babbage-002", "text-davinci-003"}
 _USAGE_KEY = "__lmc_usage__"
 _SPEC_ATTR = "_lmc_spec_buffer"
 _RETRY_STATUS = {408, 409, 429}
+LOWERINGS = ("auto", "server", "json_schema", "logit_bias")
 
 
 # ---- usage accounting ------------------------------------------------------------------------------------------
@@ -61,6 +73,7 @@ class Usage:
     calls_saved: int = 0  # gens served by a speculative call instead of their own
     retries: int = 0
     cache_hits: int = 0  # requests answered by the response cache (not sent)
+    bias_calls: int = 0  # calls made by logit-bias stepping (also counted in calls)
 
     def add(self, other: "Usage") -> "Usage":
         for f in fields(self):
@@ -81,6 +94,7 @@ class Usage:
         return (f"{self.calls} call(s), {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached), "
                 f"{self.completion_tokens} completion tokens, {self.calls_saved} call(s) saved by speculation"
                 + (f", {self.cache_hits} response-cache hit(s)" if self.cache_hits else "")
+                + (f", {self.bias_calls} logit-bias step call(s)" if self.bias_calls else "")
                 + (f", {self.retries} retr{'y' if self.retries == 1 else 'ies'}" if self.retries else ""))
 
 
@@ -252,9 +266,20 @@ class OpenAI:
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None, *,
                  is_chat_model: bool | None = None, chat_template: ChatTemplate | None = None,
                  server: str = "auto", max_retries: int = 4, timeout: float = 600.0, cache: bool | str = False,
-                 cache_dir: str | None = None, cache_max_entries: int = 10000, organization: str | None = None):
+                 cache_dir: str | None = None, cache_max_entries: int = 10000, organization: str | None = None,
+                 constraints: str = "auto", tokenizer=None):
         """`server`: "auto" (probe `base_url` for an lmc or SGLang server), "openai" (api.openai.com: standard
-        fields only), "lmc", "sglang", "vllm" or "compatible" (extras are sent as extra body fields)."""
+        fields only), "lmc", "sglang", "vllm" or "compatible" (extras are sent as extra body fields).
+        `constraints`: how regex / JSON-schema / typed gens and select run: "auto" (the best the endpoint supports,
+        see the module docstring) or one forced: "server", "json_schema", "logit_bias". An endpoint of unknown
+        kind ("compatible") is assumed to decode constraints itself; give "logit_bias" for a plain one.
+        `tokenizer`: the model's tokenizer, for logit-bias stepping: a transformers tokenizer or its local
+        directory, or a tiktoken encoding or its name. Default: tiktoken's encoding of an OpenAI model, or the
+        tokenizer directory an lmc server reports when it exists on this machine."""
+        if constraints not in LOWERINGS:
+            raise ValueError(f"lmc.OpenAI: constraints must be one of {', '.join(LOWERINGS)}, not {constraints!r}")
+        self.constraints, self.tokenizer = constraints, tokenizer
+        self._vocab: Vocabulary | None = None
         self.model = model
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "").rstrip("/") or None
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or ("EMPTY" if self.base_url else None)
@@ -429,19 +454,18 @@ class OpenAI:
         if p.get("repetition_penalty", 1.0) not in (1.0, None):
             extras["repetition_penalty"] = p["repetition_penalty"]
         response_format, unwrap = None, None
-        for k in ("regex", "json_schema", "ebnf"):
-            if p.get(k) is not None:
-                extras[k] = p[k]
+        constraint = {k: p[k] for k in ("regex", "json_schema", "ebnf") if p.get(k) is not None}
+        if constraint and self._lowering(params, kind) == "json_schema":
+            response_format, unwrap = self._lower_constraint(params, constraint, kind)
+        else:
+            extras.update(constraint)  # decoded by the server
         if self.server == "openai":
             ids = [t for t in extras.pop("stop_token_ids", []) if t not in self.chat_template.stop_token_ids]
             if ids:  # the template's own end-of-turn ids are dropped: the API stops at the end of a turn itself
                 extras["stop_token_ids"] = ids
-            constraint = {k: extras.pop(k) for k in ("regex", "json_schema", "ebnf") if k in extras}
             if extras:
                 raise UnsupportedOnEndpoint(f"{', '.join(sorted(extras))}: not supported by the OpenAI API; use "
                                             "an lmc, SGLang or vLLM server for these sampling options")
-            if constraint:
-                response_format, unwrap = self._lower_constraint(params, constraint, kind)
         elif extras:
             kw["extra_body"] = extras
         if params.return_logprob:
@@ -455,11 +479,115 @@ class OpenAI:
             kw["response_format"] = response_format
         return kw, response_format, unwrap
 
+    @property
+    def continues_turns(self) -> bool:
+        """Can a chat request continue a partial assistant message (`continue_final_message`)?"""
+        return self.server in ("lmc", "vllm")
+
+    def _lowering(self, params: GenParams, kind: str) -> str | None:
+        """How a constrained gen runs here (module docstring): "server", "json_schema" or "logit_bias"; None for
+        an unconstrained gen. Raises UnsupportedOnEndpoint where nothing fits."""
+        if params.regex is None and params.json_schema is None and params.dtype is None:
+            return None
+        if self.constraints == "server" and self.server == "openai":
+            raise UnsupportedOnEndpoint(f"{self!r}: constraints='server', but the OpenAI API decodes no regex or "
+                                        "typed gen itself; use 'auto', 'json_schema' or 'logit_bias'")
+        if self.constraints != "auto":
+            return self.constraints
+        if self.server != "openai":
+            return "server"
+        if kind == "chat" and params.regex is None:
+            return "json_schema"
+        if kind == "completions" and params.json_schema is None:
+            return "logit_bias"
+        if params.regex is not None:
+            raise UnsupportedOnEndpoint(
+                f"{self!r}: a regex constraint cannot be expressed on the OpenAI API: it decodes no regex itself, "
+                "response_format takes JSON schemas only, and logit-bias stepping would have to continue a partial "
+                "assistant message, which its chat API cannot; use a completion model, an lmc, SGLang or vLLM "
+                "server, or json_schema / a typed gen instead")
+        raise UnsupportedOnEndpoint(
+            f"{self!r}: a JSON schema on a completion model of the OpenAI API: response_format needs a chat model "
+            "and logit-bias stepping cannot follow a JSON schema; use a chat model or an lmc, SGLang or vLLM server")
+
+    def _vocabulary(self, what: str) -> Vocabulary:
+        """The model's vocabulary for logit-bias stepping, built once from `tokenizer` (or the default one)."""
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = Vocabulary(self._find_tokenizer(what), end_ids=[
+                    *self.chat_template.stop_token_ids, *(self.model_info.get("eos_token_ids") or [])])
+            return self._vocab
+
+    def _find_tokenizer(self, what: str):
+        spec, hint = self.tokenizer, ""
+        if spec is None and self.server == "openai":
+            try:
+                import tiktoken
+
+                return tiktoken.encoding_for_model(self.model)
+            except ImportError:
+                hint = "; for OpenAI models: pip install tiktoken"
+            except KeyError:
+                hint = f"; tiktoken knows no encoding for {self.model!r}"
+        path = self.model_info.get("tokenizer_path") or ""
+        if spec is None and self.server == "lmc" and os.path.isdir(path):
+            spec = path
+        if spec is not None:
+            try:
+                return load_tokenizer(spec)
+            except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
+                hint = f"; loading {spec!r} failed: {type(e).__name__}: {e}"
+        why = "constraints='logit_bias'" if self.constraints == "logit_bias" else \
+            "the endpoint offers no server-side constraint, prompt logprobs (echo) or JSON-schema response_format"
+        raise UnsupportedOnEndpoint(
+            f"{self!r}: {what} needs logit-bias stepping here ({why}), and that needs the model's tokenizer to name "
+            "token ids: pass tokenizer=... (a transformers tokenizer or its local directory, or a tiktoken "
+            f"encoding or its name){hint}")
+
+    async def _step(self, text: str, stepper: Stepper, params: GenParams, images: list[Image],
+                    max_calls: int) -> dict:
+        """Run a Stepper: one call of one token per step until the value ends, no call is needed, or max_calls.
+        Returns the value's meta_info."""
+        kind = "chat" if self.is_chat_model else "completions"
+        calls, prompt, cached, completion = 0, 0, 0, 0
+        ended = False
+        while not ended and calls < max_calls:
+            bias = stepper.bias()
+            if bias is None:  # nothing can extend the value, or one choice is left
+                ended = True
+                break
+            if stepper.value and kind == "chat" and not self.continues_turns:
+                raise UnsupportedOnEndpoint(
+                    f"{self!r}: logit-bias stepping wrote {stepper.value!r} and must go on, but this chat API cannot "
+                    "continue a partial assistant message (only a select decided by its first token works here); "
+                    "use a completion model or an lmc or vLLM server")
+            texts, metas = await self._call_gen(text + stepper.value, params, images, 1, logit_bias=bias)
+            record_usage(None, self, usage=Usage(bias_calls=1))
+            calls += 1
+            m = metas[0]
+            prompt += m.get("prompt_tokens") or 0
+            cached += m.get("cached_tokens") or 0
+            completion += m.get("completion_tokens") or 0
+            ended = stepper.feed(texts[0])
+        return {"lowering": "logit_bias", "bias_calls": calls, "finish_reason": {"type": "stop" if ended else "length"},
+                "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+
+    async def _bias_gen(self, text: str, params: GenParams, images: list[Image]) -> tuple[str, dict]:
+        """A regex or typed gen by logit-bias stepping."""
+        if params.json_schema is not None:
+            raise UnsupportedOnEndpoint(f"{self!r}: a JSON schema cannot be lowered to logit-bias stepping; use "
+                                        "a chat model (response_format) or an lmc, SGLang or vLLM server")
+        stepper = Stepper(self._vocabulary("a constrained gen"),
+                          params.regex if params.regex is not None else DTYPE_PATTERNS[params.dtype])
+        one = replace(params, max_new_tokens=1, min_new_tokens=None, n=None, stop=None, regex=None, dtype=None,
+                      return_logprob=None, logprob_start_len=None, top_logprobs_num=None)
+        meta = await self._step(text, stepper, one, images, params.max_new_tokens or 128)
+        return stepper.result, meta
+
     def _lower_constraint(self, params: GenParams, constraint: dict, kind: str):
         if kind != "chat":
-            raise UnsupportedOnEndpoint(
-                f"{self.model}: constrained generation ({', '.join(constraint)}) on an OpenAI completion model is "
-                "not supported; use a chat model (JSON schema) or an lmc/SGLang/vLLM server (regex, EBNF)")
+            raise UnsupportedOnEndpoint(f"{self!r}: constraints='json_schema' lowers to response_format, which "
+                                        "needs a chat model; this is a completion model")
         if params.dtype in (int, float, bool, str):
             t = {int: "integer", float: "number", bool: "boolean", str: "string"}[params.dtype]
             schema = {"type": "object", "properties": {"value": {"type": t}}, "required": ["value"],
@@ -470,15 +598,18 @@ class OpenAI:
             schema = json.loads(schema) if isinstance(schema, str) else schema
             return _rf("output", schema, strict=False), None
         raise UnsupportedOnEndpoint(
-            f"{self.model}: {'a regex' if 'regex' in constraint else 'an EBNF grammar'} constraint cannot be "
-            "expressed on the OpenAI API (it accepts JSON schemas only); run against an lmc, SGLang or vLLM "
-            "server, or use json_schema / a typed gen instead")
+            f"{self!r}: {'a regex' if 'regex' in constraint else 'an EBNF grammar'} constraint cannot be "
+            "expressed as a JSON-schema response_format; use constraints='auto' (server-side decoding or "
+            "logit-bias stepping), or json_schema / a typed gen instead")
 
     async def _call_gen(self, text: str, params: GenParams, images: list[Image], n: int,
-                        *, max_tokens: int | None = None, no_stop: bool = False, partial_ok: bool = True):
+                        *, max_tokens: int | None = None, no_stop: bool = False, partial_ok: bool = True,
+                        logit_bias: dict | None = None):
         """One generation call: returns (texts, metas) (lists of n)."""
         kind = "chat" if self.is_chat_model else "completions"
         kw, response_format, unwrap = self._sampling(params, kind)
+        if logit_bias:
+            kw["logit_bias"] = logit_bias
         if max_tokens is not None:
             kw["max_completion_tokens" if "max_completion_tokens" in kw else "max_tokens"] = max_tokens
         if no_stop:
@@ -490,7 +621,7 @@ class OpenAI:
             if partial and not partial_ok:
                 return None
             if partial:
-                if self.server not in ("lmc", "vllm"):
+                if not self.continues_turns:
                     raise UnsupportedOnEndpoint(
                         f"{self!r} is a chat model on an API that cannot continue a partial assistant message: "
                         f"the gen must come right after assistant() (text {partial[-40:]!r} precedes it)")
@@ -532,6 +663,10 @@ class OpenAI:
             got = await self._spec_generate(stream, text, params, images, spec_n)
             if got is not None:
                 return got
+        if self._lowering(params, "chat" if self.is_chat_model else "completions") == "logit_bias":
+            # one after another in this task (not gathered): usage finds the program's stream from the running task
+            outs = [await self._bias_gen(text, params, images) for _ in range(n)]
+            return outs[0] if n == 1 else ([v for v, _ in outs], [m for _, m in outs])
         texts, metas = await self._call_gen(text, params, images, n)
         if n == 1:
             return texts[0], metas[0]
@@ -540,6 +675,9 @@ class OpenAI:
     async def generate_stream(self, text: str, params: GenParams, images: list[Image]):
         kind = "chat" if self.is_chat_model else "completions"
         stream_usage(current_stream())
+        if self._lowering(params, kind) == "logit_bias":
+            yield await self._bias_gen(text, params, images)
+            return
         kw, response_format, unwrap = self._sampling(params, kind)
         if unwrap is not None:
             texts, metas = await self._call_gen(text, params, images, 1)
@@ -548,7 +686,7 @@ class OpenAI:
         if kind == "chat":
             msgs, partial = self._messages(text, images)
             if partial:
-                if self.server not in ("lmc", "vllm"):
+                if not self.continues_turns:
                     raise UnsupportedOnEndpoint(f"{self!r}: the gen must come right after assistant()")
                 msgs = msgs + [{"role": "assistant", "content": partial}]
                 kw["extra_body"] = {**(kw.get("extra_body") or {}), "continue_final_message": True,
@@ -587,15 +725,34 @@ class OpenAI:
     async def select(self, text: str, choices: list[str], temperature: float,
                      method: ChoicesSamplingMethod) -> ChoicesDecision:
         stream_usage(current_stream())
+        how = self._select_lowering()
+        if how == "server":
+            return await self._select_logprobs(text, choices, method)
+        if how == "json_schema":
+            return await self._select_enum(text, choices, temperature)
+        stepper = Stepper.select(self._vocabulary("select"), choices)
+        # each call but the last adds at least one character: the longest choice bounds the calls
+        meta = await self._step(text, stepper, GenParams(max_new_tokens=1, temperature=temperature), [],
+                                max(len(c) for c in choices) + 1)
+        if stepper.result not in choices:
+            raise ValueError(f"{self!r}: logit-bias stepping for select stopped at {stepper.value!r}, which is not "
+                             f"one of {choices}")
+        return ChoicesDecision(stepper.result, {**meta, "method": "logit_bias"})
+
+    def _select_lowering(self) -> str:
+        """How select runs here (module docstring): "server" (prompt logprobs), "json_schema" or "logit_bias"."""
         echo_ok = self.server in ("lmc", "vllm") or (not self.is_chat_model and self.server != "sglang")
         if self.is_chat_model and not self.exact_template:
             echo_ok = False  # the state text is not what the server's template renders: score via the chat API
-        if echo_ok:
-            return await self._select_logprobs(text, choices, method)
-        if self.is_chat_model:
-            return await self._select_enum(text, choices, temperature)
-        raise UnsupportedOnEndpoint(f"{self!r}: select needs prompt logprobs (echo) or a chat model with JSON "
-                                    "schema support; this endpoint offers neither")
+        if self.constraints == "auto":
+            return "server" if echo_ok else "json_schema" if self.is_chat_model else "logit_bias"
+        if self.constraints == "server" and not echo_ok:
+            raise UnsupportedOnEndpoint(f"{self!r}: constraints='server', but select needs prompt logprobs (echo) "
+                                        "of the state text, which this endpoint does not give")
+        if self.constraints == "json_schema" and not self.is_chat_model:
+            raise UnsupportedOnEndpoint(f"{self!r}: constraints='json_schema', but select as a JSON-schema enum "
+                                        "needs a chat model")
+        return self.constraints
 
     async def _select_logprobs(self, text: str, choices: list[str], method: ChoicesSamplingMethod):
         """Local.select over the completions API: the prompt's length (lmc's /tokenize, else a prefill), then the

@@ -11,18 +11,21 @@ from ..passes import constant_prefix, fork_commit_texts
 from ..passes.api_speculation import plan_speculation
 from ..passes.cost import estimate
 from ..passes.prefix_hoist import apply_aggressive_hoist, canonicalize_unordered, hoist_suggestions
-from .program import Program, _failed_state, _progress, resolve_backend, resolve_defaults
+from ..passes.select_lowering import single_token_selects
+from .program import Program, _caller, _failed_state, _progress, resolve_backend, resolve_defaults
 from .state import ProgramState, frontend_loop
 from .tracer import trace
 
 
 class CompiledProgram:
-    def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True):
+    def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True,
+                 select_lowering: bool = True):
         if hoist not in ("off", "safe", "aggressive"):
             raise ValueError(f"hoist must be 'off', 'safe' or 'aggressive', not {hoist!r}")
         self.program, self.hoist, self.fork_commit = program, hoist != "off", fork_commit
-        self.hoist_mode, self.fork_batch = hoist, fork_batch
+        self.hoist_mode, self.fork_batch, self.select_lowering = hoist, fork_batch, select_lowering
         self._graphs: dict[Any, ProgramGraph] = {}
+        self._callees: dict[Program, CompiledProgram] = {}
         self.pass_stats: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -68,13 +71,17 @@ class CompiledProgram:
                   "api_speculation": {"completion_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, False)],
                                       "chat_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, True)]}}
         if tokenizer is not None:
+            lowered = single_token_selects(g, tmpl, tokenizer) if self.select_lowering else {}
+            report["select_lowering"] = {f"%{n}": len(ids) for n, ids in sorted(lowered.items())}
             tok = lambda t: tokenizer.encode(t)  # noqa: E731
             inst = examples or [{}, {}]
+            if examples and self.hoist:
+                prefix = constant_prefix(g, tmpl, examples)
             report["cost"] = {
                 "no_cache": estimate(g, tmpl, tok, inst, cache=False).as_dict(),
                 "radix_cache": estimate(g, tmpl, tok, inst).as_dict(),
-                "radix_cache_and_passes": estimate(g, tmpl, tok, inst, batch_prefix=prefix,
-                                                   fork_commits=commits).as_dict()}
+                "radix_cache_and_passes": estimate(g, tmpl, tok, inst, batch_prefix=prefix, fork_commits=commits,
+                                                   lowered_selects=frozenset(lowered)).as_dict()}
         return report
 
     # ---- running -------------------------------------------------------------------------------------------
@@ -105,8 +112,8 @@ class CompiledProgram:
                 outs = asyncio.run_coroutine_threadsafe(coro, frontend_loop()).result()
             else:
                 self._commit_prefix(g, backend)
-                outs = self.program.run_batch([items[i] for i in idx], backend=backend, return_exceptions=True,
-                                              **sampling)
+                outs = self.program.run_batch([items[i] for i in idx], backend=self._interpreter_backend(g, backend),
+                                              return_exceptions=True, **sampling)
                 progress.update(len(idx))
             for i, out in zip(idx, outs):
                 results[i] = out
@@ -129,16 +136,74 @@ class CompiledProgram:
         from ..backend.executor import run_graph
 
         defaults = resolve_defaults(sampling)
-        commits = fork_commit_texts(g, backend.chat_template) if self.fork_commit else {}
-        prefix = constant_prefix(g, backend.chat_template) if self.hoist and len(items) > 1 else ""
+        plan = self._plan(g, backend)
+        prefix = constant_prefix(g, backend.chat_template, items) if self.hoist and len(items) > 1 else ""
         if prefix:  # prefilled once, ahead of the instances (a hint: not awaited, it is queued first)
             asyncio.ensure_future(backend.commit(prefix))
 
         async def one(kw):
             try:
-                return await run_graph(g, dict(kw), backend, defaults, commits, self.fork_batch,
-                                       self.program.num_api_spec_tokens)
+                return await run_graph(g, dict(kw), backend, defaults, plan, self.program.num_api_spec_tokens)
             finally:
                 progress.update()
 
         return await asyncio.gather(*(one(kw) for kw in items), return_exceptions=True)
+
+    def _plan(self, g: ProgramGraph, backend):
+        from ..backend.executor import Plan
+
+        plan = Plan(fork_commit_texts(g, backend.chat_template) if self.fork_commit else {}, self.fork_batch)
+        if self.select_lowering and hasattr(backend, "select_tokens"):
+            plan.select_tokens = single_token_selects(g, backend.chat_template, backend.tokenizer)
+        for name, program in g.callees.items():  # nested programs compile with the caller's options
+            if program not in self._callees:
+                self._callees[program] = CompiledProgram(program, self.hoist_mode, self.fork_commit, self.fork_batch,
+                                                         self.select_lowering)
+            plan.callees[name] = self._callees[program]
+        return plan
+
+    def _interpreter_backend(self, g: ProgramGraph, backend):
+        """The backend a program with a dynamic region is interpreted on: with the selects the plan lowered."""
+        if not (self.select_lowering and hasattr(backend, "select_tokens")):
+            return backend
+        plan = {tuple(g.node(n).attrs["choices"]): ids
+                for n, ids in single_token_selects(g, backend.chat_template, backend.tokenizer).items()}
+        return _LoweredSelects(backend, plan) if plan else backend
+
+    async def arun_instance(self, kwargs: dict, backend, defaults) -> ProgramState:
+        """One instance, called from another program's plan (a `call` node) with the caller's backend and
+        sampling defaults: the plan executor if its graph is static, else the interpreter."""
+        from ..backend.executor import run_graph
+
+        g = self.graph(**self._split(kwargs)[0])
+        if g.static():
+            return await run_graph(g, kwargs, backend, defaults, self._plan(g, backend),
+                                   self.program.num_api_spec_tokens)
+
+        def interpret():
+            token = _caller.set((self._interpreter_backend(g, backend), defaults))
+            try:
+                return self.program.run(**kwargs)
+            finally:
+                _caller.reset(token)
+
+        return await asyncio.to_thread(interpret)
+
+
+class _LoweredSelects:
+    """A backend whose selects use the plan's lowering, for the interpreter: its selects carry no node ids, so the
+    plan is keyed by the choices (safe: the backend checks every real prompt's tokenization and falls back)."""
+
+    def __init__(self, backend, plan: dict[tuple[str, ...], list[int]]):
+        self._backend, self._plan = backend, plan
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def __repr__(self) -> str:
+        return repr(self._backend)
+
+    async def select(self, text, choices, temperature, method):
+        ids = self._plan.get(tuple(choices))
+        decision = None if ids is None else await self._backend.select_tokens(text, choices, ids, method)
+        return decision or await self._backend.select(text, choices, temperature, method)

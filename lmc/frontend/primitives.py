@@ -114,6 +114,7 @@ class Select(Expr):
     choices: list[str]
     temperature: float = 0.0
     choices_method: Callable | None = None
+    token_ids: list[int] | None = None  # set by the compiler's select lowering: each choice's single token id
 
 
 @dataclass(eq=False)

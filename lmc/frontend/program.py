@@ -127,6 +127,11 @@ class Program:
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         ignore_eos=ignore_eos, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num, seed=seed)
+        from .tracer import traced_call
+
+        traced = traced_call(self, args, kwargs, sampling, stream)
+        if traced is not None:  # called from a program being compiled: a `call` node, not a run
+            return traced
         state = self._start(args, kwargs, sampling, backend, stream)
         if not stream:
             state.sync()
@@ -193,12 +198,15 @@ class Program:
             results = [r if isinstance(r, ProgramState) else _failed_state(r) for r in results]
         return results
 
-    def compile(self, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True):
+    def compile(self, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True,
+                select_lowering: bool = True):
         """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
-        "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"."""
+        "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"; the other flags
+        switch single passes off (for ablations)."""
         from .compiled import CompiledProgram
 
-        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch)
+        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch,
+                               select_lowering=select_lowering)
 
     async def arun(self, *args, **kwargs) -> ProgramState:
         return await asyncio.to_thread(self.run, *args, **kwargs)

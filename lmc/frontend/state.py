@@ -183,7 +183,11 @@ class Stream:
             await self._gen(e)
         elif isinstance(e, Select):
             method = e.choices_method or token_length_normalized
-            decision = await self.backend.select(self.text, e.choices, e.temperature, method)
+            decision = None
+            if e.token_ids is not None and hasattr(self.backend, "select_tokens"):
+                decision = await self.backend.select_tokens(self.text, e.choices, e.token_ids, method)
+            if decision is None:
+                decision = await self.backend.select(self.text, e.choices, e.temperature, method)
             self._append(decision.decision)
             self._set(e.name, decision.decision, decision.meta_info)
         elif isinstance(e, Image):

@@ -149,7 +149,8 @@ class _Tracer:
         self.when: dict[int, str] = {}
         self.producers: dict[str, int] = {}
         self.open_forks = 0
-        self.gen_count = 0
+        self.gen_count = self.call_count = 0
+        self.current_stream = 0  # the stream the body last wrote to: where a nested call is placed
         state = TraceState(self, 0)
         token = _tracing.set(self)
         try:
@@ -164,6 +165,7 @@ class _Tracer:
 
     # ---- emission ------------------------------------------------------------------------------------------
     def emit(self, kind: str, stream: int, data_from: str | None = None, **attrs) -> int:
+        self.current_stream = stream
         e = len(self.ids)
         if e < self.path.cut:  # shared with the parent path: already in the graph
             nid = self.path.parent_ids[e]
@@ -186,7 +188,7 @@ class _Tracer:
         op_name = "|".join(sym.transforms + (op,))
         if sym.name not in self.producers:
             raise _Dynamic(f"a decision on {sym.name!r}, which this path never generated")
-        nid = self.emit("branch", 0, data_from=sym.name, var=sym.name, op=op_name, value=value)
+        self.emit("branch", 0, data_from=sym.name, var=sym.name, op=op_name, value=value)
         self.decisions.append((outcome, len(self.ids)))
         self.when[0] = "true" if outcome else "false"
         return outcome
@@ -207,15 +209,16 @@ class _Tracer:
             self.emit("text", stream, value=text[pos:])
 
 
-def _parts(text: str) -> list[dict]:
-    """A segment as text / argument parts (a generated value inside an order-free segment is not supported)."""
+def _parts(text: str, allow_vars: bool = False) -> list[dict]:
+    """A string as text / argument (/ variable) parts. Order-free segments take no generated values: their
+    canonical order is decided before any generation."""
     text, parts, pos = str.__str__(text), [], 0
     for m in _SENTINEL.finditer(text):
-        if m.group(1) == "var":
+        if m.group(1) == "var" and not allow_vars:
             raise _Dynamic("a generated value inside unordered()")
         if m.start() > pos:
             parts.append({"text": text[pos:m.start()]})
-        parts.append({"arg": m.group(2)})
+        parts.append({m.group(1): m.group(2)})
         pos = m.end()
     if pos < len(text):
         parts.append({"text": text[pos:]})
@@ -361,9 +364,56 @@ class TraceGroup:
 
 
 def nested_call_while_tracing(program) -> None:
-    """A program called from a body being traced: recorded as a dynamic region (not run during tracing)."""
+    """A nested run that is not a plain call (run_batch, a stream) while tracing: a dynamic region."""
     if _tracing.get() is not None:
-        raise _Dynamic(f"nested program call {program.__name__}()")
+        raise _Dynamic(f"nested program run {program.__name__}() (only plain calls become call nodes)")
+
+
+def traced_call(program, args: tuple, kwargs: dict, sampling: dict, stream: bool):
+    """A program called from a body being traced becomes a `call` node (it is not run): returns a CallResult
+    whose variables trace as reads of the call's outputs. None when no trace is running."""
+    t = _tracing.get()
+    if t is None:
+        return None
+    if stream or any(v is not None for v in sampling.values()):
+        raise _Dynamic(f"nested program call {program.__name__}() with streaming or its own sampling options")
+    name = f"{program.__name__}#{t.call_count}"
+    t.call_count += 1
+    encoded, reads = {}, []
+    for k, v in program._arguments(args, kwargs).items():
+        if isinstance(v, str):
+            encoded[k] = _parts(v, allow_vars=True)
+            reads += [p["var"] for p in encoded[k] if "var" in p]
+        elif isinstance(v, (int, float, bool, type(None))):
+            encoded[k] = {"value": v}
+        else:
+            raise _Dynamic(f"nested program call {program.__name__}() with a {type(v).__name__} argument")
+    nid = t.emit("call", t.current_stream, name=name, program=program.__name__, args=encoded)
+    for var in reads:
+        if var in t.producers:
+            t.g.connect(t.producers[var], nid, "data")
+    t.g.callees[name] = program
+    return CallResult(t, name, nid)
+
+
+class CallResult:
+    """What a nested program call returns while tracing: `r["x"]` reads the callee's variable x."""
+
+    def __init__(self, tracer: _Tracer, name: str, nid: int):
+        self._t, self._name, self._nid = tracer, name, nid
+
+    def __getitem__(self, var: str) -> Symbol:
+        full = f"{self._name}.{var}"
+        self._t.producers[full] = self._nid
+        return Symbol("var", full)
+
+    get_var = __getitem__
+
+    def text(self):
+        raise _Dynamic(f"text() of the nested call {self._name}")
+
+    def variables(self):
+        raise _Dynamic(f"variables() of the nested call {self._name}")
 
 
 @contextlib.contextmanager

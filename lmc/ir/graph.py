@@ -3,8 +3,9 @@
 Nodes (kind -> attributes) follow the SGLang paper's IR plus what data-dependent control flow needs:
     text{value}  arg{name}  gen{name, params}  select{name, choices, method, temperature}  var{name}
     fork{size}  fork_item{index}  join{mode}  role_begin{role}  role_end{role}  image{source}
-    var_scope{name, edge: begin|end}  call{program, args}  branch{var, op, value}  dynamic{reason, line}
-Every node belongs to a stream (an integer; 0 is the program's main stream, forks open new ones).
+    var_scope{name, edge: begin|end}  call{name, program, args}  branch{var, op, value}  dynamic{reason, line}
+A call runs another program with arguments made of text/arg/var parts; its variables read as var nodes named
+"<call name>.<variable>". Every node belongs to a stream (an integer; 0 is the program's main stream, forks open new ones).
 Edges have a kind: `order` (next operation of the same stream; out of a branch it also carries `when`, the
 outcome that takes it), `data` (a var node reads what a gen/select produced), `fork` (fork -> each branch's
 fork_item, and each branch's last node -> the join).
@@ -20,7 +21,7 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "text": ("value",), "arg": ("name",), "gen": ("name", "params"),
     "select": ("name", "choices", "method", "temperature"), "var": ("name",), "fork": ("size",),
     "fork_item": ("index",), "join": ("mode",), "role_begin": ("role",), "role_end": ("role",),
-    "image": ("source",), "var_scope": ("name", "edge"), "call": ("program", "args"),
+    "image": ("source",), "var_scope": ("name", "edge"), "call": ("name", "program", "args"),
     "branch": ("var", "op", "value"), "dynamic": ("reason", "line"), "unordered": ("segments", "canonical"),
 }
 EDGE_KINDS = ("order", "data", "fork")
@@ -42,6 +43,9 @@ class ProgramGraph:
         self.name, self.params = name, tuple(params)
         self.g = nx.DiGraph()
         self._next = 0
+        # Runtime only (not printed, not compared): the Program each call node names. A graph parsed from text
+        # has none, so its calls cannot run.
+        self.callees: dict[str, Any] = {}
 
     # ---- building ------------------------------------------------------------------------------------------
     def add(self, kind: str, stream: int = 0, after: int | None = None, node_id: int | None = None,
@@ -59,6 +63,8 @@ class ProgramGraph:
     def connect(self, src: int, dst: int, kind: str = "order", when: str | None = None) -> None:
         if kind not in EDGE_KINDS:
             raise IRValidationError(f"unknown edge kind {kind!r}; kinds: {EDGE_KINDS}")
+        if kind == "data" and self.g.has_edge(src, dst):
+            return  # one edge per pair: an order edge already implies the dependency
         attrs = {"kind": kind}
         if when is not None:
             attrs["when"] = when
@@ -120,7 +126,10 @@ class ProgramGraph:
                 produced.add(node.attrs["name"])
             if node.kind == "var_scope" and node.attrs["edge"] == "end":
                 produced.add(node.attrs["name"])
-            if node.kind == "var" and node.attrs["name"] not in produced:
+            if node.kind == "call":
+                produced.add(node.attrs["name"] + ".")
+            if node.kind == "var" and node.attrs["name"] not in produced and \
+                    node.attrs["name"].split(".")[0] + "." not in produced:
                 raise IRValidationError(f"%{nid} reads variable {node.attrs['name']!r}, which no earlier node defines")
             if node.kind == "arg" and node.attrs["name"] not in self.params:
                 raise IRValidationError(f"%{nid} reads argument {node.attrs['name']!r}, not a parameter of "

@@ -45,7 +45,8 @@ class Cost:
 
 
 def estimate(g: ProgramGraph, template, tokenize, instances: list[dict], cache: bool = True,
-             batch_prefix: str = "", fork_commits: dict[int, str] | None = None) -> Cost:
+             batch_prefix: str = "", fork_commits: dict[int, str] | None = None,
+             lowered_selects: frozenset[int] = frozenset()) -> Cost:
     cost, trie = Cost(), _Trie()
 
     def call(prompt: str) -> None:
@@ -60,11 +61,11 @@ def estimate(g: ProgramGraph, template, tokenize, instances: list[dict], cache: 
     for i, args in enumerate(instances):
         args = {**{p: f"<{p} #{i}>" for p in g.params}, **args}  # placeholders differ between instances
         _walk(g, next((r for r in g.roots() if g.node(r).stream == 0), None), "", args, call, template,
-              fork_commits or {})
+              fork_commits or {}, lowered_selects)
     return cost
 
 
-def _walk(g, nid, text, args, call, template, commits) -> str:
+def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
     while nid is not None:
         node = g.node(nid)
         a = node.attrs
@@ -85,7 +86,7 @@ def _walk(g, nid, text, args, call, template, commits) -> str:
             call(text)
             text += " x" * int(a["params"].get("max_new_tokens", 16))
         elif node.kind == "select":
-            for choice in a["choices"]:
+            for choice in ([""] if nid in lowered else a["choices"]):  # lowered: one call scores every choice
                 call(text + choice)
             text += a["choices"][0]
         elif node.kind == "var":
@@ -95,7 +96,7 @@ def _walk(g, nid, text, args, call, template, commits) -> str:
                 call(text + commits.get(nid, ""))  # the fork's commit hint is a prefill call
             for item, _ in g.successors(nid, "fork"):
                 first = g.successors(item, "order")
-                _walk(g, first[0][0] if first else None, text, args, call, template, commits)
+                _walk(g, first[0][0] if first else None, text, args, call, template, commits, lowered)
             join = nxt[0][0]
             nxt = g.successors(join, "order")
         elif node.kind == "branch":

@@ -2,19 +2,25 @@
 
 Only hints are produced: nothing moves in the program's text, so its meaning never changes.
 - `constant_prefix`: the leading constant run of the main stream (text and role markers up to the first
-  argument, variable, gen, select, fork or branch). A batch prefills it once before its instances start.
+  argument, variable, gen, select, fork or branch). Given a batch's arguments, the run continues through the
+  arguments and the prefix is what every instance's rendering shares (few-shot questions often share their
+  first words too). A batch prefills it once before its instances start.
 - `fork_commit_texts`: for each fork, the text every branch starts with (up to its first non-constant node);
   the fork's commit hint prefills parent text + that shared text, so the branches find all of it cached.
 """
 from __future__ import annotations
+
+import os
 
 from ..ir import ProgramGraph
 
 _CONSTANT = ("text", "role_begin", "role_end", "unordered")
 
 
-def _render(g: ProgramGraph, nid: int, template) -> str | None:
+def render_constant(g: ProgramGraph, nid: int, template, args: dict | None = None) -> str | None:
     node = g.node(nid)
+    if node.kind == "arg":
+        return None if args is None or node.attrs["name"] not in args else str(args[node.attrs["name"]])
     if node.kind == "text":
         return node.attrs["value"]
     if node.kind == "unordered":
@@ -24,13 +30,13 @@ def _render(g: ProgramGraph, nid: int, template) -> str | None:
     return (template.prefix if node.kind == "role_begin" else template.suffix)[node.attrs["role"]]
 
 
-def _constant_run(g: ProgramGraph, start: int | None, template) -> str:
+def _constant_run(g: ProgramGraph, start: int | None, template, args: dict | None = None) -> str:
     out, nid = [], start
-    while nid is not None and g.node(nid).kind in _CONSTANT:
+    while nid is not None and (g.node(nid).kind in _CONSTANT or (args is not None and g.node(nid).kind == "arg")):
         node = g.node(nid)
         if node.kind == "role_begin" and node.attrs["role"] != "system" and template.default_system and not out:
             break  # the template may insert its default system turn here: not a constant of the graph
-        text = _render(g, nid, template)
+        text = render_constant(g, nid, template, args)
         if text is None:
             break
         out.append(text)
@@ -39,9 +45,12 @@ def _constant_run(g: ProgramGraph, start: int | None, template) -> str:
     return "".join(out)
 
 
-def constant_prefix(g: ProgramGraph, template) -> str:
+def constant_prefix(g: ProgramGraph, template, instances: list[dict] | None = None) -> str:
     roots = [r for r in g.roots() if g.node(r).stream == 0]
-    return _constant_run(g, roots[0] if roots else None, template)
+    start = roots[0] if roots else None
+    if not instances:
+        return _constant_run(g, start, template)
+    return os.path.commonprefix([_constant_run(g, start, template, args) for args in instances])
 
 
 def fork_commit_texts(g: ProgramGraph, template) -> dict[int, str]:

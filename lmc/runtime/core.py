@@ -36,6 +36,10 @@ class SamplingParams:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # logprobs of these ids at every output position (SGLang's name)
+    # OpenAI's logit_bias: token id (an int or its decimal string) -> bias in [-100, 100], added to the logits
+    # before sampling. Normalized to {int: float} by validate(); returned logprobs stay the model's own.
+    logit_bias: dict[int, float] | None = None
     # Constrained decoding (at most one; compiled by xgrammar, see grammar.py).
     regex: str | None = None
     json_schema: str | dict | None = None
@@ -80,6 +84,11 @@ class SamplingParams:
              "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(isinstance(t, int) for t in self.stop_token_ids),
              "stop_token_ids", "must be a list of integers")
+        need(self.token_ids_logprob is None or (isinstance(self.token_ids_logprob, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids_logprob)),
+            "token_ids_logprob", "must be a list of token ids")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         need(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex",
              "must be a non-empty string")
         need(self.json_schema is None or isinstance(self.json_schema, dict)
@@ -95,6 +104,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} from OpenAI's shape (ids may be decimal strings); RequestError naming the bad entry."""
+    def bad(rule: str):
+        return RequestError(f"invalid sampling parameter logit_bias: {rule}")
+
+    if not isinstance(bias, dict):
+        raise bad("must be a map of token id -> bias in [-100, 100]")
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isascii() and k.isdigit():
+            k = int(k)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise bad(f"key {k!r} is not a token id (a non-negative integer or its decimal string)")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not -100 <= v <= 100:
+            raise bad(f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+        out[k] = float(v)
+    return out or None
 
 
 _req_ids = itertools.count()
@@ -131,6 +159,7 @@ class Req:
     input_top_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    output_token_ids_logprobs: list = field(default_factory=list)
     generator: Any = None  # per-request torch.Generator when a seed is given
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
@@ -175,6 +204,8 @@ class Req:
             if self.params.top_logprobs_num:
                 meta["input_top_logprobs"] = self.input_top_logprobs
                 meta["output_top_logprobs"] = self.output_top_logprobs
+            if self.params.token_ids_logprob is not None:
+                meta["output_token_ids_logprobs"] = self.output_token_ids_logprobs
         return meta
 
     def result(self) -> dict:

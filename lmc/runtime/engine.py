@@ -5,6 +5,10 @@ batches everything in flight (continuous batching) and resolves each request's f
     engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     engine.generate(["a", "b"], [{"max_new_tokens": 4}, {"max_new_tokens": 2}])
     await engine.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0}, return_logprob=True)
+    fut = engine.submit("Tell a long story", {"max_new_tokens": 4000}); engine.abort(fut.rid)
+
+A request ends early with finish reason {"type": "abort", ...} when it is aborted: `abort(rid)`, closing its stream
+before the end, or cancelling the `async_generate` awaiting it.
 """
 from __future__ import annotations
 
@@ -27,6 +31,13 @@ from .scheduler import Scheduler, SchedulerConfig
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never wait on a hub: a missing file fails fast
 
 _CPU_DEFAULT_TOKENS = 65536
+
+
+class RequestFuture(Future):
+    """The future of one submitted request. It cannot be cancelled (the scheduler owns the request once it is
+    submitted); `Engine.abort(fut.rid)` stops it instead."""
+
+    rid: str | None = None  # the request's id, as in its result's meta_info["id"]; None when it was refused
 
 
 class Engine:
@@ -103,21 +114,38 @@ class Engine:
                                f"{self.context_length}; shorten it")
         if len(ids) >= self.max_total_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
+        if params.token_ids_logprob and max(params.token_ids_logprob) >= vocab:
+            raise RequestError(f"token_ids_logprob must be in [0, {vocab}): got {max(params.token_ids_logprob)}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"invalid sampling parameter logit_bias: token id {max(params.logit_bias)} is outside "
+                               f"the model's vocabulary [0, {vocab})")
         req = Req(ids, params)
         req.grammar = self.grammars.matcher(params)  # compiles here, off the scheduler thread (cached per grammar)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
 
-    def submit(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> Future:
-        fut: Future = Future()
+    def submit(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> RequestFuture:
+        fut = RequestFuture()
         try:
             req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
         except RequestError as e:
             fut.set_exception(e)
             return fut
-        self._inbox.put(("req", (req, fut)))
+        self._enqueue(req, fut)
         return fut
+
+    def _enqueue(self, req: Req, fut: RequestFuture) -> None:
+        fut.rid = str(req.rid)
+        fut.set_running_or_notify_cancel()  # from now on cancel() is refused: a cancelled future could not be resolved
+        self._inbox.put(("req", (req, fut)))
+
+    def abort(self, rid: int | str) -> None:
+        """Stop request `rid` (a future's `rid`, or its result's meta_info["id"]) wherever it is: queued, decoding
+        or prefilling in chunks. It finishes at once with finish reason {"type": "abort", ...} and the output so
+        far; its KV slots are released (the computed prefix stays in the prefix cache). Returns without waiting;
+        an id that is unknown or already finished is ignored."""
+        self._inbox.put(("abort", rid))
 
     def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts) -> tuple[list[Future], bool]:
         single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], (list, tuple))))
@@ -143,11 +171,12 @@ class Engine:
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | None = None,
-                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None):
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 token_ids_logprob: list[int] | None = None):
         """SGLang's Engine.generate: one prompt -> one result dict, a list -> a list. In a batch, a request that
         fails gets a result with `error` and an abort finish reason; the others are unaffected."""
         opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num)
+                    top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
         futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
         results = []
         for f in futs:
@@ -158,37 +187,51 @@ class Engine:
         return self._collect(results, single)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=None,
-                             logprob_start_len=None, top_logprobs_num=None):
+                             logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None):
         opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num)
+                    top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
         futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+        except asyncio.CancelledError:  # the caller gave up: stop decoding for nobody
+            for f in futs:
+                if not f.done():
+                    self.abort(f.rid)
+            raise
         return self._collect(list(results), single)
 
     def stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> Iterator[dict]:
         """Stream one request: yields {"text": delta} chunks as tokens arrive; the last chunk also carries the
         whole result (`output_ids`, `meta_info`). Text that may still turn out to be part of a stop string is held
-        back until it is decided."""
+        back until it is decided. Closing the stream before its end aborts the request."""
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts, chunks.put)
-        while True:
-            chunk = chunks.get()
-            if chunk is None:
-                fut.result()  # raises the request's error, if any
-                return
-            yield chunk
+        try:
+            while True:
+                chunk = chunks.get()
+                if chunk is None:
+                    fut.result()  # raises the request's error, if any
+                    return
+                yield chunk
+        finally:
+            if not fut.done():  # the consumer stopped early
+                self.abort(fut.rid)
 
     async def async_stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts):
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
         fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts,
                                      lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
-        while (chunk := await chunks.get()) is not None:
-            yield chunk
-        await asyncio.wrap_future(fut)
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+            await asyncio.wrap_future(fut)
+        finally:
+            if not fut.done():  # closed or cancelled before the end
+                self.abort(fut.rid)
 
-    def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push) -> Future:
-        fut: Future = Future()
+    def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push) -> RequestFuture:
+        fut = RequestFuture()
         fut.add_done_callback(lambda f: push(None))
         try:
             req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
@@ -196,7 +239,7 @@ class Engine:
             fut.set_exception(e)
             return fut
         req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push)
-        self._inbox.put(("req", (req, fut)))
+        self._enqueue(req, fut)
         return fut
 
     def flush_cache(self) -> bool:
@@ -239,6 +282,16 @@ class Engine:
                     req, fut = payload
                     self._futures[req] = fut
                     sched.add(req)
+                elif kind == "abort":
+                    try:
+                        req = sched.abort(payload)
+                        if self.check_invariants:
+                            sched.check_invariants()
+                    except Exception as e:  # as in a step: fail the requests in flight, never kill this thread
+                        self._fail_all(e)
+                        req = None
+                    if req is not None:
+                        self._deliver(req)
                 elif kind == "flush":
                     self._flushes.append(payload)
                 try:
@@ -257,10 +310,7 @@ class Engine:
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
                 for r in progressed:
-                    if r.on_progress is not None:
-                        r.on_progress(r)
-                    if r.finished:
-                        self._futures.pop(r).set_result(r.result())
+                    self._deliver(r)
                 if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
                     self._fail_all(RuntimeError(f"{len(self._futures)} request(s) left the scheduler unfinished"))
             if not sched.has_work and self._flushes:
@@ -268,6 +318,13 @@ class Engine:
                 for f in self._flushes:
                     f.set_result(ok)
                 self._flushes = []
+
+    def _deliver(self, r: Req) -> None:
+        """Hand a request's progress to its stream, and its result to its future once finished."""
+        if r.on_progress is not None:
+            r.on_progress(r)
+        if r.finished:
+            self._futures.pop(r).set_result(r.result())
 
     def _fail_all(self, exc: BaseException) -> None:
         for req, fut in self._futures.items():

@@ -147,7 +147,9 @@ class ModelRunner:
             lp = None
             if i in next_ids and r.params.return_logprob:
                 j = sample_rows.index(i)
-                lp = (chosen[j], tops[j][:r.params.top_logprobs_num])
+                ids = r.params.token_ids_logprob
+                by_id = None if ids is None else list(zip(logprobs[sample_at[j], ids].tolist(), ids))
+                lp = (chosen[j], tops[j][:r.params.top_logprobs_num], by_id)
             out.out_logprobs.append(lp)
             rows = prompt_rows[i]
             if rows and r.params.return_logprob:

@@ -3,7 +3,9 @@ constrained requests arrive already masked by their grammar (runner.py / grammar
 
 Sampling uses the exponential-race form of the Gumbel trick (argmax of p / E with E ~ Exp(1)), which is exact
 categorical sampling and lets seeded requests draw their noise from their own generator while the rest of the
-batch shares one draw. Logprobs returned to users are those of the raw model distribution.
+batch shares one draw. Logprobs returned to users are those of the raw model distribution: before penalties,
+grammar masks and `logit_bias` (vLLM's default `raw_logprobs`; OpenAI does not document its choice), so a token
+forced by a +100 bias still reports how likely the model found it.
 """
 from __future__ import annotations
 
@@ -31,9 +33,25 @@ def _penalize(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -
                     logits[i, banned] = saved  # the grammar can only end here: it wins over min_new_tokens
 
 
+def _bias(logits: torch.Tensor, reqs: list[Req]) -> None:
+    """Every request's logit_bias in one scatter-add. Applied after the grammar mask and min-tokens bans, whose -inf
+    it cannot lift: a bias steers sampling, a constraint is never overridden by it."""
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            rows.extend([i] * len(r.params.logit_bias))
+            cols.extend(r.params.logit_bias)
+            vals.extend(r.params.logit_bias.values())
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+
+
 def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """logits: [B, V] fp32 (modified in place). Returns the sampled ids [B] (on logits' device)."""
     _penalize(logits, reqs, eos_ids)
+    _bias(logits, reqs)
     greedy = [r.params.greedy for r in reqs]
     if all(greedy):
         return logits.argmax(-1)

@@ -68,7 +68,7 @@ class Scheduler:
         self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
                       "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0,
                       "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
-                      "jump_seconds": 0.0, "canonical_checks": 0}
+                      "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0}
 
     def reset(self) -> None:
         """Forget every request and cached prefix and rebuild the pools (after a failure in a step)."""
@@ -91,6 +91,25 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._early)
+
+    def abort(self, rid) -> Req | None:
+        """Finish request `rid` now with an abort reason, wherever it is: queued (never admitted, retracted or
+        re-queued by a jump: it holds no KV), running, or in the middle of a chunked prefill. A resident request's
+        KV goes to the radix tree like a finished request's (its computed prefix stays reusable). Returns the
+        request, or None when no unfinished request has that id (it finished already: nothing to do)."""
+        places = {"waiting": self.waiting, "running": self.running,
+                  "in a chunked prefill": [self.chunked] if self.chunked is not None else []}
+        hit = next(((where, r) for where, reqs in places.items() for r in reqs if str(r.rid) == str(rid)), None)
+        if hit is None:
+            return None
+        where, r = hit
+        if r is self.chunked:
+            self.chunked = None
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._finish(r, {"type": "abort", "message": f"aborted while {where}"})
+        self.stats["aborted"] += 1
+        return r
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Only when idle (as SGLang): cached slots may be in use otherwise."""
@@ -341,6 +360,8 @@ class Scheduler:
             if olp is not None:
                 r.output_logprobs.append((olp[0], nid, None))
                 r.output_top_logprobs.append(olp[1])
+                if olp[2] is not None:
+                    r.output_token_ids_logprobs.append([(lp, t, None) for lp, t in olp[2]])
             if r.grammar is not None and not r.grammar.accept_token(nid):  # the mask allowed it: cannot happen
                 reason = {"type": "abort", "message": f"token {nid} was sampled but its grammar rejects it"}
             else:
@@ -431,6 +452,9 @@ class Scheduler:
             del r.output_logprobs[k:], r.output_top_logprobs[k:]
             r.output_logprobs.extend((None, t, None) for t in new_out[k:])
             r.output_top_logprobs.extend([None] * added)
+            if r.params.token_ids_logprob is not None:
+                del r.output_token_ids_logprobs[k:]
+                r.output_token_ids_logprobs.extend([None] * added)
         r.output_ids = new_out
         r.canonical_len = len(new_out) - (stop is not None)
         reason = self._jump_finish_reason(r, added, stop)

@@ -4,7 +4,7 @@
 
 Routes (DESIGN 6):
     POST /v1/completions, /v1/chat/completions      OpenAI (SSE streaming, usage with cached tokens, logprobs,
-                                                    response_format, n, stop, seed; extras regex / ebnf /
+                                                    response_format, n, stop, seed, logit_bias; extras regex / ebnf /
                                                     json_schema / structured_outputs / top_k / min_p ...)
     GET  /v1/models
     POST /generate                                  SGLang-native: text or input_ids, single or batch,
@@ -15,9 +15,13 @@ Routes (DESIGN 6):
 
 Every bad request gets a 4xx JSON error naming the problem (OpenAI's shape: {"error": {"message", "type",
 "param", "code"}}); nothing a client sends reaches the engine unvalidated, and an error in one request never
-affects another. A client that disconnects mid-stream stops receiving; its request finishes in the engine (bounded
-by its max tokens) and releases its KV slots, which `/get_server_info` shows (free + cached + request-owned ==
-total).
+affects another. A client that disconnects (mid-stream, or while waiting for a non-streamed response) has its
+requests aborted in the engine: decoding stops and their KV slots are released, which `/get_server_info` shows
+(free + cached + request-owned == total).
+
+Streaming `/generate` follows SGLang: one prompt streams events whose `text` is the output so far; a batch (a list
+of prompts, or n > 1) interleaves the events of all its requests, each marked with its position in the batch
+(`index`, prompt-major: prompt k's j-th sample is k * n + j).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key (load balancers, Prometheus)
 SGLANG_SAMPLING_DEFAULTS = {  # SGLang keys lmc accepts only at their default value (they change nothing here)
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
-    "stop_regex": [], "logit_bias": {}, "custom_params": None, "structural_tag": None, "stream_interval": None,
+    "stop_regex": [], "custom_params": None, "structural_tag": None, "stream_interval": None,
 }
 _NO_VALUE = object()
 
@@ -52,6 +56,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready (its engine requests were aborted)."""
 
 
 def _error_body(status: int, message: str, type_: str = "invalid_request_error", param=None) -> dict:
@@ -121,26 +129,32 @@ class _Service:
                                 f"{self.max_pending}); retry later", type_="overloaded_error")
         self.pending += k
 
-    async def run(self, ids: list[int], params: dict, structured: bool) -> dict:
-        """One request to completion; RequestError -> 400, an engine failure -> 500."""
+    async def run(self, ids: list[int], params: dict) -> dict:
+        """One request to completion; RequestError -> 400, an engine failure -> 500. Cancelled (the client is
+        gone), it aborts the request so that decoding stops."""
         from ..runtime.core import RequestError
 
         start = time.perf_counter()
         fut = self.engine.submit(None, params, ids)
         try:
             r = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                self.engine.abort(fut.rid)
+            raise
         except RequestError as e:
             raise ApiError(400, str(e)) from None
         except Exception as e:
             log.exception("request failed in the engine")
             raise ApiError(500, f"the engine failed the request: {type(e).__name__}: {e}") from None
-        self.metrics.finished(r["meta_info"], start, structured)
+        self.metrics.finished(r["meta_info"], start, _structured(params))
         return r
 
-    async def run_all(self, items: list[tuple[list[int], dict]], structured: bool) -> list[dict]:
+    async def run_all(self, items: list[tuple[list[int], dict]]) -> list[dict]:
+        """Every item to completion, or the first error (the other requests are aborted)."""
         self.admit(len(items))
         try:
-            tasks = [asyncio.ensure_future(self.run(ids, p, structured)) for ids, p in items]
+            tasks = [asyncio.ensure_future(self.run(ids, p)) for ids, p in items]
             try:
                 return await asyncio.gather(*tasks)
             except BaseException:
@@ -151,9 +165,9 @@ class _Service:
         finally:
             self.pending -= len(items)
 
-    async def stream(self, ids: list[int], params: dict, structured: bool) -> AsyncIterator[dict]:
-        """The engine's stream of one request: chunks {"text": delta} and a last one with the result. The first
-        chunk is awaited before returning, so a refused request raises ApiError before any byte is sent."""
+    async def stream(self, ids: list[int], params: dict) -> "_EngineStream":
+        """The engine's stream of one request. The first chunk is awaited before returning, so a refused request
+        raises ApiError before any byte is sent. The caller has admitted it and must close it."""
         from ..runtime.core import RequestError
 
         start = time.perf_counter()
@@ -164,20 +178,7 @@ class _Service:
             raise ApiError(400, str(e)) from None
         except StopAsyncIteration:
             raise ApiError(500, "the engine ended the stream without a result") from None
-        t_first = time.perf_counter()
-
-        async def rest():
-            chunk = first
-            while True:
-                if "meta_info" in chunk:
-                    self.metrics.finished(chunk["meta_info"], start, structured, t_first)
-                yield chunk
-                try:
-                    chunk = await gen.__anext__()
-                except StopAsyncIteration:
-                    return
-
-        return rest()
+        return _EngineStream(self, gen, first, start, _structured(params))
 
     def check_meta(self, meta: dict) -> None:
         fr = meta.get("finish_reason") or {}
@@ -185,8 +186,40 @@ class _Service:
             raise ApiError(500, f"the request was aborted: {fr.get('message')}", type_="server_error")
 
 
+class _EngineStream:
+    """The chunks of one streamed request ({"text": delta}; the last one also carries the result), counted in the
+    service's `pending` until closed. Closing it before its end aborts the request in the engine."""
+
+    def __init__(self, svc: _Service, gen, first: dict, start: float, structured: bool):
+        self.svc, self.gen, self.first, self.start, self.structured = svc, gen, first, start, structured
+        self.t_first = time.perf_counter()
+        self.closed = False
+
+    def __aiter__(self) -> "_EngineStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.first is not None:
+            chunk, self.first = self.first, None
+        else:
+            chunk = await self.gen.__anext__()
+        if "meta_info" in chunk:
+            self.svc.metrics.finished(chunk["meta_info"], self.start, self.structured, self.t_first)
+        return chunk
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.svc.pending -= 1
+            await self.gen.aclose()  # runs the engine stream's `finally`: aborts the request if it is not done
+
+
+def _structured(params: dict) -> bool:
+    return any(params.get(k) is not None for k in ("regex", "json_schema", "ebnf"))
+
+
 # ---- OpenAI sampling translation -------------------------------------------------------------------------------
-def _constraint(req, response_format) -> tuple[dict, bool]:
+def _constraint(req, response_format) -> dict:
     """Engine constraint fields from the request's extras / response_format / structured_outputs."""
     out: dict[str, Any] = {}
     if req.regex is not None:
@@ -217,7 +250,7 @@ def _constraint(req, response_format) -> tuple[dict, bool]:
             out[{"regex": "regex", "json_": "json_schema", "grammar": "ebnf"}[k]] = getattr(so, k)
     if len(out) > 1:
         raise ApiError(400, f"at most one constraint may be given: got {', '.join(sorted(out))}")
-    return out, bool(out)
+    return out
 
 
 def _openai_params(svc: _Service, req, prompt_len: int, max_tokens: int | None, default_max: int | None) -> dict:
@@ -233,8 +266,6 @@ def _openai_params(svc: _Service, req, prompt_len: int, max_tokens: int | None, 
         raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                             "completion). Reduce the prompt or max_tokens.", "max_tokens")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
     if not req.skip_special_tokens:
         raise ApiError(400, "skip_special_tokens=false is not supported by this server", "skip_special_tokens")
     p: dict[str, Any] = {"max_new_tokens": max_tokens}
@@ -242,7 +273,7 @@ def _openai_params(svc: _Service, req, prompt_len: int, max_tokens: int | None, 
                      ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
                      ("repetition_penalty", "repetition_penalty"), ("seed", "seed"), ("stop", "stop"),
                      ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"),
-                     ("min_tokens", "min_new_tokens")):
+                     ("min_tokens", "min_new_tokens"), ("logit_bias", "logit_bias")):
         v = getattr(req, src)
         if v is not None:
             p[dst] = v
@@ -327,7 +358,8 @@ def _sse(obj) -> bytes:
 
 
 async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
-    """Interleave several chunk streams as (index, chunk); cancelling the consumer cancels every producer."""
+    """Interleave several chunk streams as (index, chunk). Closing or cancelling the consumer cancels every
+    producer and waits for them, so the streams can be closed right after."""
     if len(streams) == 1:
         async for c in streams[0]:
             yield 0, c
@@ -358,6 +390,7 @@ async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int,
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---- the app ---------------------------------------------------------------------------------------------------
@@ -375,6 +408,10 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         if exc.status < 500:
             svc.metrics.bad_request()
         return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody is left to read it
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -425,7 +462,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
 
     # ---- OpenAI: completions -----------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         _check_model(svc, req.model)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
@@ -446,7 +483,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
             else:
                 texts.append(svc.tok.decode(p) if svc.tok is not None else "")
                 id_lists.append(list(p))
-        constraint, structured = _constraint(req, req.response_format)
+        constraint = _constraint(req, req.response_format)
         items, prompt_index = [], []
         for k, ids in enumerate(id_lists):
             p = {**_openai_params(svc, req, len(ids), req.max_tokens, 16), **constraint}
@@ -466,41 +503,32 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
             return _completion_logprobs(svc, meta, req.logprobs, req.echo, 0)
 
         if req.stream:
-            streams = await _start_streams(svc, items, structured)
-
-            async def body():
+            async def events(merged):
                 results: dict[int, dict] = {}
                 texts_out = {i: "" for i in range(len(items))}
-                try:
-                    async for i, c in _merge(streams):
-                        k = prompt_index[i]
-                        delta = (texts[k] if req.echo and not texts_out[i] and c["text"] is not None else "") + \
-                            c["text"]
-                        texts_out[i] += c["text"]
-                        fin = "meta_info" in c
-                        if fin:
-                            svc.check_meta(c["meta_info"])
-                            results[i] = {**c, "_prompt_index": k}
-                        if delta or fin:
-                            yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                        "model": svc.model, "choices": [{
-                                            "index": i, "text": delta,
-                                            "logprobs": choice_logprobs(c["meta_info"], k) if fin else None,
-                                            "finish_reason": _finish(c["meta_info"]) if fin else None}]})
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        ordered = [results[i] for i in sorted(results)]
+                async for i, c in merged:
+                    k = prompt_index[i]
+                    delta = (texts[k] if req.echo and not texts_out[i] and c["text"] is not None else "") + c["text"]
+                    texts_out[i] += c["text"]
+                    fin = "meta_info" in c
+                    if fin:
+                        svc.check_meta(c["meta_info"])
+                        results[i] = {**c, "_prompt_index": k}
+                    if delta or fin:
                         yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                    "model": svc.model, "choices": [],
-                                    "usage": _usage(ordered, [len(x) for x in id_lists])})
-                except ApiError as e:
-                    yield _sse(_error_body(e.status, e.message, e.type))
-                finally:
-                    await _close(streams)
-                yield b"data: [DONE]\n\n"
+                                    "model": svc.model, "choices": [{
+                                        "index": i, "text": delta,
+                                        "logprobs": choice_logprobs(c["meta_info"], k) if fin else None,
+                                        "finish_reason": _finish(c["meta_info"]) if fin else None}]})
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    ordered = [results[i] for i in sorted(results)]
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": svc.model, "choices": [],
+                                "usage": _usage(ordered, [len(x) for x in id_lists])})
 
-            return StreamingResponse(body(), media_type="text/event-stream")
+            return _EventStream(await _start_streams(svc, items), events)
 
-        results = await svc.run_all(items, structured)
+        results = await _unless_disconnected(request, svc.run_all(items))
         choices = []
         for i, (r, k) in enumerate(zip(results, prompt_index)):
             svc.check_meta(r["meta_info"])
@@ -513,7 +541,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
 
     # ---- OpenAI: chat completions ------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(svc, req.model)
         if req.tools:
             raise ApiError(400, "tools are not supported by this server", "tools")
@@ -522,7 +550,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         text = _render_chat(svc, req)
         ids = svc.encode(text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        constraint, structured = _constraint(req, req.response_format)
+        constraint = _constraint(req, req.response_format)
         p = {**_openai_params(svc, req, len(ids), max_tokens, None), **constraint}
         if svc.template.stop_token_ids:
             p["stop_token_ids"] = list(p.get("stop_token_ids") or []) + list(svc.template.stop_token_ids)
@@ -534,8 +562,6 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if req.stream:
-            streams = await _start_streams(svc, items, structured)
-
             def chunk(choices, usage=_NO_VALUE):
                 out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": svc.model,
                        "choices": choices}
@@ -543,34 +569,28 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
                     out["usage"] = usage
                 return _sse(out)
 
-            async def body():
+            async def events(merged):
                 results: dict[int, dict] = {}
-                try:
-                    for i in range(len(items)):
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    async for i, c in _merge(streams):
-                        fin = "meta_info" in c
-                        if c["text"]:
-                            yield chunk([{"index": i, "delta": {"content": c["text"]}, "logprobs": None,
-                                          "finish_reason": None}])
-                        if fin:
-                            svc.check_meta(c["meta_info"])
-                            results[i] = {**c, "_prompt_index": 0}
-                            yield chunk([{"index": i, "delta": {},
-                                          "logprobs": _chat_logprobs(svc, c["meta_info"], top) if req.logprobs
-                                          else None, "finish_reason": _finish(c["meta_info"])}])
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield chunk([], _usage([results[i] for i in sorted(results)], [len(ids)]))
-                except ApiError as e:
-                    yield _sse(_error_body(e.status, e.message, e.type))
-                finally:
-                    await _close(streams)
-                yield b"data: [DONE]\n\n"
+                for i in range(len(items)):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                async for i, c in merged:
+                    fin = "meta_info" in c
+                    if c["text"]:
+                        yield chunk([{"index": i, "delta": {"content": c["text"]}, "logprobs": None,
+                                      "finish_reason": None}])
+                    if fin:
+                        svc.check_meta(c["meta_info"])
+                        results[i] = {**c, "_prompt_index": 0}
+                        yield chunk([{"index": i, "delta": {},
+                                      "logprobs": _chat_logprobs(svc, c["meta_info"], top) if req.logprobs
+                                      else None, "finish_reason": _finish(c["meta_info"])}])
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield chunk([], _usage([results[i] for i in sorted(results)], [len(ids)]))
 
-            return StreamingResponse(body(), media_type="text/event-stream")
+            return _EventStream(await _start_streams(svc, items), events)
 
-        results = await svc.run_all(items, structured)
+        results = await _unless_disconnected(request, svc.run_all(items))
         choices = []
         for i, r in enumerate(results):
             svc.check_meta(r["meta_info"])
@@ -596,8 +616,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
 
     # ---- SGLang-native -----------------------------------------------------------------------------------
     @app.post("/generate")
-    async def generate(req: GenerateRequest):
-        return await _native_generate(svc, req)
+    async def generate(req: GenerateRequest, request: Request):
+        return await _native_generate(svc, req, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -743,57 +763,87 @@ def _render_chat(svc: _Service, req: ChatCompletionRequest) -> str:
     return text + tail
 
 
-async def _start_streams(svc: _Service, items, structured: bool) -> list:
+async def _start_streams(svc: _Service, items) -> list[_EngineStream]:
+    """One engine stream per item, all submitted at once. Returns when each has its first chunk, so a refused
+    request raises ApiError before any byte is sent (the others are then closed, which aborts them)."""
     svc.admit(len(items))
-    streams = []
     try:
-        for ids, p in items:
-            streams.append(await svc.stream(ids, p, structured))
-    except BaseException:
+        started = await asyncio.gather(*(svc.stream(ids, p) for ids, p in items), return_exceptions=True)
+    except BaseException:  # this handler was cancelled, and the engine streams with it (which aborted them)
         svc.pending -= len(items)
-        for s in streams:
-            await s.aclose()
         raise
-
-    released = {"done": False}
-
-    def release():
-        if not released["done"]:
-            released["done"] = True
-            svc.pending -= len(items)
-
-    async def guarded(s):
-        try:
-            async for c in s:
-                yield c
-        finally:
-            release()
-
-    # Each stream releases its share when the response ends (normally or by a disconnect).
-    if len(streams) == 1:
-        return [guarded(streams[0])]
-    out, left = [], {"n": len(streams)}
-
-    async def part(s):
-        try:
-            async for c in s:
-                yield c
-        finally:
-            left["n"] -= 1
-            if left["n"] == 0:
-                release()
-
-    for s in streams:
-        out.append(part(s))
-    return out
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        svc.pending -= len(failed)
+        await _close([s for s in started if not isinstance(s, BaseException)])
+        raise failed[0]
+    return started
 
 
 async def _close(streams) -> None:
     for s in streams:
         try:
             await s.aclose()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - closing is best effort; the engine stream aborts itself when collected
             pass
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response over engine streams: `events(merged)` turns their interleaved (index, chunk) pairs into
+    events; an error becomes an error event, and `data: [DONE]` ends the body. However the response ends (done,
+    failed, or the client hung up), the streams are closed at once, which aborts what is still running. (Starlette
+    leaves the body suspended when the client disconnects: it would be closed only when garbage-collected.)"""
+
+    def __init__(self, streams: list[_EngineStream], events):
+        self.streams = streams
+        super().__init__(self._body(events), media_type="text/event-stream")
+
+    async def _body(self, events):
+        merged = _merge(self.streams)
+        out = events(merged)
+        try:
+            async for event in out:
+                yield event
+        except ApiError as e:
+            yield _sse(_error_body(e.status, e.message, e.type))
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
+            log.exception("a streamed request failed")
+            yield _sse(_error_body(500, f"{type(e).__name__}: {e}", "server_error"))
+        finally:
+            await out.aclose()
+            await merged.aclose()
+        yield b"data: [DONE]\n\n"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await _close(self.streams)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up. The request body has been read, so the next ASGI message it can get is the
+    disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` (engine requests), unless the client hangs up first: then `work` is cancelled, which aborts its
+    requests so that decoding stops, and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait([task, hangup], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not task.done():  # the client is gone, or this handler was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task not in done:
+        raise ClientGone()
+    return task.result()
 
 
 def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[int], dict]], bool, list[int]]:
@@ -878,58 +928,36 @@ def _native_result(svc: _Service, r: dict, text_in_logprobs: bool, start: float)
     return {"text": r["text"], "output_ids": r["output_ids"], "meta_info": meta}
 
 
-async def _native_generate(svc: _Service, req: GenerateRequest):
-    from ..runtime.core import RequestError
-
+async def _native_generate(svc: _Service, req: GenerateRequest, request: Request):
     start = time.perf_counter()
     items, single, _ = _native_items(svc, req)
     if req.stream:
-        if not single:
-            raise ApiError(400, "streaming is supported for one prompt (n=1) at a time", "stream")
-        (ids, p), = items
-        structured = any(p.get(k) is not None for k in ("regex", "json_schema", "ebnf"))
-        streams = await _start_streams(svc, items, structured)
+        async def events(merged):
+            texts = [""] * len(items)
+            async for i, c in merged:
+                texts[i] += c["text"]
+                if "meta_info" in c:
+                    out = _native_result(svc, {**c, "text": texts[i]}, req.return_text_in_logprobs, start)
+                else:
+                    out = {"text": texts[i], "output_ids": [],
+                           "meta_info": {"id": None, "finish_reason": None, "prompt_tokens": len(items[i][0])}}
+                if not single:
+                    out["index"] = i
+                yield _sse(out)
 
-        async def body():
-            text, n_out = "", 0
-            try:
-                async for _, c in _merge(streams):
-                    text += c["text"]
-                    if "meta_info" in c:
-                        r = _native_result(svc, {**c, "text": text}, req.return_text_in_logprobs, start)
-                        yield _sse(r)
-                    else:
-                        n_out += 1
-                        yield _sse({"text": text, "output_ids": [],
-                                    "meta_info": {"id": None, "finish_reason": None,
-                                                  "prompt_tokens": len(ids)}})
-            except ApiError as e:
-                yield _sse(_error_body(e.status, e.message, e.type))
-            except Exception as e:  # noqa: BLE001
-                yield _sse(_error_body(500, f"{type(e).__name__}: {e}", "server_error"))
-            finally:
-                await _close(streams)
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return _EventStream(await _start_streams(svc, items), events)
 
     svc.admit(len(items))
     try:
-        structured = [any(p.get(k) is not None for k in ("regex", "json_schema", "ebnf")) for _, p in items]
-        futs = [svc.engine.submit(None, p, ids) for ids, p in items]
-        outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+        outs = await _unless_disconnected(
+            request, asyncio.gather(*(svc.run(ids, p) for ids, p in items), return_exceptions=True))
     finally:
         svc.pending -= len(items)
-    results = []
-    for out, so in zip(outs, structured):
-        if isinstance(out, BaseException):
-            if single:
-                raise ApiError(400 if isinstance(out, RequestError) else 500, str(out))
-            results.append({"text": "", "output_ids": [], "error": str(out),
-                            "meta_info": {"finish_reason": {"type": "abort", "message": str(out)}}})
-            continue
-        svc.metrics.finished(out["meta_info"], start, so)
-        results.append(_native_result(svc, out, req.return_text_in_logprobs, start))
+    if single and isinstance(outs[0], BaseException):
+        raise outs[0]
+    results = [_native_result(svc, out, req.return_text_in_logprobs, start) if not isinstance(out, BaseException)
+               else {"text": "", "output_ids": [], "error": str(out),  # one failure leaves the batch standing
+                     "meta_info": {"finish_reason": {"type": "abort", "message": str(out)}}} for out in outs]
     return results[0] if single else results
 
 

@@ -1,0 +1,48 @@
+"""select_lowering: a select whose choices are each one token after the constant text before it is scored by one
+request (the next-token logprobs of the choices' ids) instead of one prefill per choice.
+
+The interpreter scores `select(choices)` with a request per choice (prompt + choice, prompt logprobs from two
+tokens before the prompt's end). When the graph shows constant text right before the select (typically the chat
+template's assistant header) and every choice tokenizes as exactly one token after that text, the choice ids are
+known at compile time and one forward of the prompt yields every score: the same logprob vectors, so the same
+decision, with one request instead of n and no per-choice recomputation of the prompt's tail. The executor still
+checks the tokenization of the real prompt at run time and falls back to the per-choice form where it differs.
+"""
+from __future__ import annotations
+
+from ..ir import ProgramGraph
+from .prefix_hoist import render_constant
+
+
+def _constant_tail(g: ProgramGraph, nid: int) -> list[int]:
+    """The run of constant nodes that directly precedes `nid` in its stream (nearest last)."""
+    run, cur = [], nid
+    while True:
+        preds = g.predecessors(cur, "order")
+        if len(preds) != 1 or g.node(preds[0]).kind not in ("text", "role_begin", "role_end"):
+            return run[::-1]
+        cur = preds[0]
+        run.append(cur)
+
+
+def single_token_selects(g: ProgramGraph, template, tokenizer) -> dict[int, list[int]]:
+    """select node -> the token id of each choice, for the selects that can be scored in one request."""
+    out = {}
+    for nid in g.g.nodes:
+        node = g.node(nid)
+        if node.kind != "select":
+            continue
+        tail = "".join(render_constant(g, n, template) for n in _constant_tail(g, nid))
+        if not tail:
+            continue  # what comes before is only known at run time: no plan to make
+        base = tokenizer.encode(tail, add_special_tokens=False)
+        ids = []
+        for choice in node.attrs["choices"]:
+            full = tokenizer.encode(tail + choice, add_special_tokens=False)
+            if len(full) != len(base) + 1 or full[:-1] != base:
+                break  # the choice is several tokens, or merges with the text before it
+            ids.append(full[-1])
+        else:
+            if len(set(ids)) == len(ids):
+                out[nid] = ids
+    return out
