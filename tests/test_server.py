@@ -230,6 +230,15 @@ def test_native_generate(http, tokenizer):
         assert item["output_ids"] == [] and m["finish_reason"] == {"type": "length", "length": 0}
         assert len(m["input_token_logprobs"]) == n - 2 and all(lp < 0 for lp, _, _ in m["input_token_logprobs"])
     assert r[0]["meta_info"]["input_token_logprobs"][-1][2] == " four"
+    # token_ids_logprob: one id list for all prompts, or one per prompt
+    four, five = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" four", " five"))
+    for ids_field in ([four, five], [[four, five], [five]]):
+        r = http.post("/generate", json={"text": ["One two three", "One two"], "token_ids_logprob": ids_field,
+                                         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                         "return_logprob": True}).json()
+        for item, want in zip(r, ids_field if isinstance(ids_field[0], list) else [ids_field] * 2):
+            [row] = item["meta_info"]["output_token_ids_logprobs"]
+            assert [t for _, t, _ in row] == want and all(lp < 0 for lp, _, _ in row)
     # n in sampling_params, SGLang's sampling_seed, and SGLang keys at their default values
     r = http.post("/generate", json={"text": "Pick a number:", "sampling_params": {
         "max_new_tokens": 3, "n": 2, "temperature": 0.8, "sampling_seed": 3, "skip_special_tokens": True,

@@ -20,6 +20,11 @@ class Local:
     def __repr__(self) -> str:
         return f"Local({self.model!r})"
 
+    @property
+    def shares_prefixes_in_batch(self) -> bool:
+        """The engine computes a prefix that queued requests share once: a batch needs no prefix hint."""
+        return self.engine.scheduler.shares_prefixes_in_batch
+
     def _check(self, images: list[Image]) -> None:
         if images:
             raise ValueError(f"model {self.model!r} is text-only: image() needs a vision-capable backend")

@@ -111,7 +111,7 @@ class CompiledProgram:
                 coro = self._run_static(g, [items[i] for i in idx], backend, sampling, progress)
                 outs = asyncio.run_coroutine_threadsafe(coro, frontend_loop()).result()
             else:
-                self._commit_prefix(g, backend)
+                self._commit_prefix(g, [items[i] for i in idx], backend)
                 outs = self.program.run_batch([items[i] for i in idx], backend=self._interpreter_backend(g, backend),
                                               return_exceptions=True, **sampling)
                 progress.update(len(idx))
@@ -127,8 +127,16 @@ class CompiledProgram:
     async def arun_batch(self, batch_kwargs: list, **kwargs) -> list:
         return await asyncio.to_thread(self.run_batch, batch_kwargs, **kwargs)
 
-    def _commit_prefix(self, g: ProgramGraph, backend) -> None:
-        prefix = constant_prefix(g, backend.chat_template) if self.hoist else ""
+    def _batch_prefix(self, g: ProgramGraph, items: list[dict], backend) -> str:
+        """The prefix a batch's instances share, to prefill once ahead of them; none where the engine already
+        computes a shared prefix once among queued requests (the first instance's whole prompt then serves the
+        others, and it usually shares more than the hint would)."""
+        if not self.hoist or len(items) < 2 or getattr(backend, "shares_prefixes_in_batch", False):
+            return ""
+        return constant_prefix(g, backend.chat_template, items)
+
+    def _commit_prefix(self, g: ProgramGraph, items: list[dict], backend) -> None:
+        prefix = self._batch_prefix(g, items, backend)
         if prefix:
             asyncio.run_coroutine_threadsafe(backend.commit(prefix), frontend_loop()).result()
 
@@ -137,7 +145,7 @@ class CompiledProgram:
 
         defaults = resolve_defaults(sampling)
         plan = self._plan(g, backend)
-        prefix = constant_prefix(g, backend.chat_template, items) if self.hoist and len(items) > 1 else ""
+        prefix = self._batch_prefix(g, items, backend)
         if prefix:  # prefilled once, ahead of the instances (a hint: not awaited, it is queued first)
             asyncio.ensure_future(backend.commit(prefix))
 

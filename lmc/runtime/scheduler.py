@@ -89,6 +89,11 @@ class Scheduler:
         self.waiting.append(req)
 
     @property
+    def shares_prefixes_in_batch(self) -> bool:
+        """Whether a prefix several queued requests share is computed once (in-batch dedup, LPM policies)."""
+        return self.cfg.policy in ("lpm", "dfs-weight") and not self.cache.disabled
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._early)
 
@@ -163,7 +168,7 @@ class Scheduler:
             ext = min(len(r.fill_ids) - r.kv_len, rem_chunk, self.allocator.available + self.cache.evictable_size)
             if ext > 0:
                 take(r, ext)
-        sim = RadixCache() if self.cfg.policy in ("lpm", "dfs-weight") else None
+        sim = RadixCache() if self.shares_prefixes_in_batch else None
         admitted: set[Req] = set()
         for r in order:
             if len(self.running) + len(reqs) >= self.cfg.max_running or self.runner.req_pool.available == 0:

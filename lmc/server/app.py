@@ -878,6 +878,8 @@ def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[
     rl = per_item(req.return_logprob, "return_logprob")
     ls = per_item(req.logprob_start_len, "logprob_start_len")
     tn = per_item(req.top_logprobs_num, "top_logprobs_num")
+    ti = req.token_ids_logprob  # one id list for every prompt, or one per prompt
+    ti = per_item(ti, "token_ids_logprob") if ti and isinstance(ti[0], list) else [ti] * b
     items, index = [], []
     for k in range(b):
         sp = dict(sps[k] or {})
@@ -902,6 +904,8 @@ def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[
             p["logprob_start_len"] = ls[k]
         if tn[k] is not None:
             p["top_logprobs_num"] = tn[k]
+        if ti[k] is not None:
+            p["token_ids_logprob"] = ti[k]
         if not isinstance(n, int) or n < 1:
             raise ApiError(400, f"sampling_params.n must be a positive integer, got {n!r}", "sampling_params")
         if isinstance(p.get("logprob_start_len"), int) and p["logprob_start_len"] > len(ids[k]):

@@ -120,6 +120,7 @@ class GenerateRequest(_Strict):
     return_logprob: Optional[Union[bool, list[bool]]] = None
     logprob_start_len: Optional[Union[int, list[int]]] = None
     top_logprobs_num: Optional[Union[int, list[int]]] = None
+    token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
