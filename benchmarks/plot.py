@@ -1,4 +1,5 @@
-"""Bar charts of the recorded results (benchmarks/results/*.json) -> benchmarks/results/summary.png."""
+"""Bar charts of the recorded results (benchmarks/results/*.json) -> benchmarks/results/summary.png and
+compiler_ablation.png."""
 import json
 import os
 
@@ -31,6 +32,28 @@ def main():
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     out = os.path.join(HERE, "summary.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+    compiler_ablation()
+
+
+def compiler_ablation():
+    """programs/s of each compiler configuration relative to the interpreter, per workload (the paper's Fig. 8c)."""
+    data = json.load(open(os.path.join(HERE, "compiler.json")))
+    configs = [c for c in next(iter(data.values())) if isinstance(next(iter(data.values()))[c], dict)]
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    width = 0.8 / len(configs)
+    for j, c in enumerate(configs):
+        xs = [i + j * width for i in range(len(data))]
+        rel = [row[c]["programs_s"] / row["interpreted"]["programs_s"] for row in data.values()]
+        bars = ax.bar(xs, rel, width, label=c)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(data))], list(data))
+    ax.set_ylabel("programs/s vs interpreted")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    out = os.path.join(HERE, "compiler_ablation.png")
     fig.savefig(out, dpi=110)
     print(out)
 
