@@ -26,12 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lmc  # noqa: E402
 from lmc.backend.openai import program_usage, total_usage  # noqa: E402
 
-SHOTS = [("Steve Jobs (February 24, 1955 - October 5, 2011) was an American businessman, inventor, and investor "
-          "best known for co-founding Apple.", "Steve Jobs", "February 24, 1955", "businessman"),
-         ("Isaac Newton (25 December 1642 - 20 March 1727) was an English mathematician, physicist and astronomer.",
-          "Isaac Newton", "25 December 1642", "mathematician"),
-         ("Frida Kahlo (6 July 1907 - 13 July 1954) was a Mexican painter known for her many portraits.",
-          "Frida Kahlo", "6 July 1907", "painter")]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from extraction import chat_body, completion_body  # noqa: E402  (the program under test is the example's)
+
 FIRST = ["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Irene", "Jonas"]
 LAST = ["Berg", "Costa", "Dumont", "Eriksen", "Fischer", "Garcia", "Horvat", "Ivanova", "Janssen", "Kowalski"]
 JOBS = [("a German", "chemist", "who studied the structure of proteins"),
@@ -53,29 +50,8 @@ def documents(n: int) -> list[str]:
     return docs
 
 
-INSTRUCTION = "Extract the name, birth date and occupation of the person in each text.\n\n"
-EXAMPLES = "".join(f"Text: {t}\nName: {n}\nBirth date: {b}\nOccupation: {j}\n\n" for t, n, b, j in SHOTS)
-
-
-def _fields(s):
-    s += "Name:" + lmc.gen("name", max_tokens=16, stop="\n") + "\nBirth date:" + \
-        lmc.gen("birth", max_tokens=16, stop="\n") + "\nOccupation:" + lmc.gen("job", max_tokens=16, stop="\n")
-
-
-def _completion(s, doc):
-    s += INSTRUCTION + EXAMPLES + "Text: " + doc + "\n"
-    _fields(s)
-
-
-def _chat(s, doc):
-    s += lmc.user(INSTRUCTION + "Answer in the format\nName: ...\nBirth date: ...\nOccupation: ...\n\n" + EXAMPLES
-                  + "Text: " + doc)
-    with s.assistant():
-        _fields(s)
-
-
 def run_mode(mode: str, backend, docs: list[str], spec_tokens: int) -> dict:
-    body = _completion if mode == "completion" else _chat
+    body = completion_body if mode == "completion" else chat_body
     plain, spec = lmc.function(body), lmc.function(body, num_api_spec_tokens=spec_tokens)
     args = [{"doc": d} for d in docs]
     out = {}

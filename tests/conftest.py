@@ -11,6 +11,7 @@ if not torch.cuda.is_available():  # CI has no GPU: Triton kernels run in the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,12 @@ def hf_model():
 
     path = resolve(MODEL).tokenizer_dir
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """`lmc serve`'s app on a loopback port (one per test module), with an API key and metrics on."""
+    from lmc.server import ServerThread, create_app
+
+    with ServerThread(create_app(engine, api_key=API_KEY, enable_metrics=True)) as srv:
+        yield srv

@@ -10,15 +10,13 @@ import pytest
 
 import lmc
 from lmc.backend.openai import UnsupportedOnEndpoint, program_usage, split_chat, total_usage
-from lmc.server import ServerThread, create_app
+from lmc.server import ServerThread
 
-KEY = "sk-backends"
+from conftest import API_KEY as KEY
+from test_examples import load
 
+extraction = load("extraction")
 
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, api_key=KEY)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +246,6 @@ def test_errors_from_the_server_reach_the_program(backends, server):
 
 
 # ---- API speculative execution -----------------------------------------------------------------------------------
-SHOTS = [("Steve Jobs (February 24, 1955 - October 5, 2011) was an American businessman, inventor, and investor "
-          "best known for co-founding Apple.", "Steve Jobs", "February 24, 1955", "businessman"),
-         ("Isaac Newton (25 December 1642 - 20 March 1727) was an English mathematician, physicist and astronomer.",
-          "Isaac Newton", "25 December 1642", "mathematician"),
-         ("Frida Kahlo (6 July 1907 - 13 July 1954) was a Mexican painter known for her many portraits.",
-          "Frida Kahlo", "6 July 1907", "painter")]
 DOCS = ["Marie Curie (7 November 1867 - 4 July 1934) was a Polish physicist and chemist who conducted pioneering "
         "research on radioactivity.",
         "Albert Einstein (14 March 1879 - 18 April 1955) was a German-born theoretical physicist who developed the "
@@ -264,16 +256,8 @@ DOCS = ["Marie Curie (7 November 1867 - 4 July 1934) was a Polish physicist and 
         "his discoveries of vaccination."]
 
 
-def _extract(s, doc):
-    s += "Extract the name, birth date and occupation of the person in each text.\n\n"
-    s += "".join(f"Text: {t}\nName: {n}\nBirth date: {b}\nOccupation: {j}\n\n" for t, n, b, j in SHOTS)
-    s += "Text: " + doc + "\n"
-    s += "Name:" + lmc.gen("name", max_tokens=16, stop="\n") + "\nBirth date:" + \
-        lmc.gen("birth", max_tokens=16, stop="\n") + "\nOccupation:" + lmc.gen("job", max_tokens=16, stop="\n")
-
-
-extract = lmc.function(_extract)
-extract_spec = lmc.function(_extract, num_api_spec_tokens=32)
+extract = lmc.function(extraction.completion_body)
+extract_spec = extraction.extract  # num_api_spec_tokens=32
 
 
 def test_speculation_one_call_instead_of_three(completion_backend, backends):
@@ -307,15 +291,7 @@ def test_speculation_falls_back_to_normal_calls_on_a_template_mismatch(completio
 
 
 def test_chat_speculation(backends):
-    def body(s, doc):
-        s += lmc.user("Extract the name, birth date and occupation of the person in the text, in the format\n"
-                      "Name: ...\nBirth date: ...\nOccupation: ...\n\n" + "".join(
-                          f"Text: {t}\nName: {n}\nBirth date: {b}\nOccupation: {j}\n\n" for t, n, b, j in SHOTS)
-                      + "Text: " + doc)
-        s += lmc.assistant("Name:" + lmc.gen("name", max_tokens=16, stop="\n") + "\nBirth date:" +
-                           lmc.gen("birth", max_tokens=16, stop="\n") + "\nOccupation:" +
-                           lmc.gen("job", max_tokens=16, stop="\n"))
-
+    body = extraction.chat_body
     b = backends["openai"]
     for doc in DOCS[:1]:
         plain = lmc.function(body).run(doc=doc, backend=b, temperature=0)

@@ -19,7 +19,7 @@ from lmc.ir.text import parse_graph, print_graph
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = ["few_shot_qa", "classification", "multi_turn_chat", "tip_suggestion", "tree_of_thought", "judge",
-            "react_agent"]
+            "react_agent", "extraction"]
 
 
 def load_example(name):
@@ -195,7 +195,8 @@ ARGS = {"few_shot_qa": {"question": "What is the capital of Italy?"},
         "multi_turn_chat": {"question_1": "What is the capital of France?", "question_2": "And of Spain?"},
         "tip_suggestion": {"topic": "sleep"}, "tree_of_thought": {"question": "What is 12 + 30?"},
         "judge": {"question": "What is the capital of France?", "answer": "Paris"},
-        "react_agent": {"question": "What is the capital of Italy?"}}
+        "react_agent": {"question": "What is the capital of Italy?"},
+        "extraction": {"doc": "Marie Curie (7 November 1867 - 4 July 1934) was a Polish physicist and chemist."}}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -9,7 +9,7 @@ import lmc
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PROGRAM_FILES = ["few_shot_qa", "multi_turn_chat", "classification", "tip_suggestion", "tree_of_thought", "judge",
-                 "react_agent"]
+                 "react_agent", "extraction"]
 
 
 def load(name: str):

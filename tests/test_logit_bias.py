@@ -10,16 +10,10 @@ from lmc.backend.logit_bias import MAX_BIAS_TOKENS, Stepper, Vocabulary
 from lmc.backend.openai import UnsupportedOnEndpoint, program_usage
 from lmc.frontend.primitives import GenParams
 from lmc.runtime.core import RequestError, SamplingParams
-from lmc.server import ServerThread, create_app
 
-KEY = "sk-logit-bias"
+from conftest import API_KEY as KEY
+
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, api_key=KEY)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,14 @@ import pytest
 
 from lmc.server import ServerThread, create_app
 
+from conftest import API_KEY as KEY
+
 try:
     import httpx
 except ImportError:  # installs that ship httpx under the name httpx2
     import httpx2 as httpx
 
-KEY = "sk-test-key"
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, api_key=KEY, enable_metrics=True)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

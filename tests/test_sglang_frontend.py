@@ -11,11 +11,11 @@ pick among near-ties follows the noise (lmc's uses a tolerance)."""
 import pytest
 
 import lmc
-from lmc.server import ServerThread, create_app
+
+from conftest import API_KEY as KEY
 
 sglang = pytest.importorskip("sglang", reason="SGLang's frontend is not installed (`make setup` installs it)")
 
-KEY = "sk-sglang"
 
 
 def programs(sgl):
@@ -49,12 +49,6 @@ def programs(sgl):
         s += sgl.gen("story", max_tokens=12)
 
     return {"few_shot": few_shot, "chat": chat, "story": story}
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, api_key=KEY)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

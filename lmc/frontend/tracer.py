@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..ir import ProgramGraph
 from .primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Select, Text, Unordered, _as_expr
-from .state import RoleMethods
+from .state import ProgramStateGroup, RoleMethods
 
 MAX_PATHS = 16
 _SENTINEL = re.compile("\x00(arg|var):([^\x00]*)\x00")
@@ -327,26 +327,11 @@ class TraceState(RoleMethods):
         group.join()
 
 
-class TraceGroup:
-    def __init__(self, states: list[TraceState], parent: TraceState):
-        self.states, self.parent = states, parent
-
-    def __getitem__(self, i):
-        return self.states[i]
-
-    def __len__(self):
-        return len(self.states)
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __iadd__(self, x):
-        for i, st in enumerate(self.states):
-            st += x(i) if callable(x) else (x[i] if isinstance(x, (list, tuple)) else x)
-        return self
+class TraceGroup(ProgramStateGroup):
+    """The branches of a traced fork: indexing and `+=` as when running; join records a join node."""
 
     def join(self, mode: str = "gather_variable"):
-        t = self._t = self.parent._t
+        t = self.parent._t
         ends = [t.cursor[st._stream] for st in self.states]
         nid = t.emit("join", self.parent._stream, mode=mode)
         if len(t.ids) > t.path.cut:
@@ -354,12 +339,9 @@ class TraceGroup:
                 t.g.connect(end, nid, "fork")
         t.open_forks -= 1
         if mode == "gather_variable":
-            for st in self.states:
-                pass
-            for name in list(t.producers):
-                t.producers.setdefault(name, t.producers[name])
+            branches = {st._stream for st in self.states}
             for name, producer in list(t.producers.items()):
-                if t.g.node(producer).stream in {st._stream for st in self.states}:
+                if t.g.node(producer).stream in branches:
                     t.producers[name] = nid  # after the join the gathered list is read from the join
 
 
