@@ -18,9 +18,9 @@ LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}  # runs fo
 def stepped(tokenizer):
     """An engine whose scheduler thread is stopped, so the test drives the scheduler one step at a time and sees
     each request in the state it aborts it from. 16-token prefill chunks, at most 3 running requests."""
-    eng = Engine(max_total_tokens=256, chunked_prefill_size=16, max_running_requests=3)
-    eng.shutdown()
+    eng = Engine(max_total_tokens=256, chunked_prefill_size=16, max_running_requests=3, start=False)
     yield eng
+    eng.shutdown()
 
 
 def _no_request_owned_slots(sched) -> None:

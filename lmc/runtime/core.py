@@ -9,11 +9,25 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 
 class RequestError(ValueError):
     """A request the engine refuses (bad sampling value, too long a prompt, ...). Fails that request alone."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (a fault inside a step, not the request's fault as far as
+    validation can tell). Only the requests blamed for the fault get it; the others carry on."""
+
+
+# Bounds on request fields, so that nothing a request carries can make a step fail or run away with memory.
+INT_MAX = 2**63 - 1  # every integer field ends up in a C long (torch, the tokenizer) somewhere
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit value; seeds are 0 <= seed <= MAX_SEED
+MAX_TOKEN_LIST = 2048  # stop_token_ids, token_ids_logprob, logit_bias entries
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 512  # characters per stop string (stop checks and stream hold-back scan this much of the tail)
 
 
 @dataclass
@@ -46,26 +60,35 @@ class SamplingParams:
     ebnf: str | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None, **limits) -> "SamplingParams":
+        """`limits`: the model-dependent bounds of `validate()` (vocab_size, max_top_logprobs)."""
+        if d is not None and not isinstance(d, Mapping):
+            raise RequestError(f"sampling_params must be a map of parameter -> value, got {type(d).__name__}")
         d = dict(d or {})
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {sorted(unknown)}")
-        return cls(**d).validate()
+        return cls(**d).validate(**limits)
 
-    def validate(self) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None, max_top_logprobs: int | None = None) -> "SamplingParams":
+        """Check every field (types, ranges, finiteness, list sizes) and normalize `stop` to a list and
+        `logit_bias` to {int: float}. With `vocab_size`, token ids must be in [0, vocab_size) wherever they appear;
+        `top_logprobs_num` is bounded by the vocabulary and by `max_top_logprobs`. Raises RequestError naming the
+        field. After this, nothing in the params can make a step raise."""
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise RequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {rule}")
+                raise RequestError(f"invalid sampling parameter {name}={_short(getattr(self, name))}: {rule}")
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "logprob_start_len", "top_logprobs_num"):
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
-                 "must be an integer")
+            need(_is_int(getattr(self, name)) and abs(getattr(self, name)) <= INT_MAX, name,
+                 f"must be an integer of at most {INT_MAX}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), name,
                  "must be a finite number")
+        for name in ("ignore_eos", "return_logprob"):
+            need(isinstance(getattr(self, name), bool), name, "must be true or false")
         need(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
         need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]")
         need(self.temperature >= 0, "temperature", "must be >= 0")
@@ -77,18 +100,28 @@ class SamplingParams:
         need(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
         need(self.top_logprobs_num >= 0, "top_logprobs_num", "must be >= 0")
         need(self.logprob_start_len >= -1, "logprob_start_len", "must be >= -1")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+             f"must be an integer in [0, {MAX_SEED}] or None")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        need(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop",
-             "must be a non-empty string or a list of them")
-        need(self.stop_token_ids is None or all(isinstance(t, int) for t in self.stop_token_ids),
-             "stop_token_ids", "must be a list of integers")
-        need(self.token_ids_logprob is None or (isinstance(self.token_ids_logprob, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids_logprob)),
-            "token_ids_logprob", "must be a list of token ids")
+        need(self.stop is None or (isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS
+                                   and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop)),
+             "stop", f"must be a non-empty string of at most {MAX_STOP_LEN} characters or a list of at most "
+                     f"{MAX_STOP_STRINGS} of them")
+        self.stop = list(self.stop) if self.stop is not None else None
+        for name in ("stop_token_ids", "token_ids_logprob"):
+            ids = getattr(self, name)
+            need(ids is None or (isinstance(ids, (list, tuple)) and len(ids) <= MAX_TOKEN_LIST
+                                 and all(_is_int(t) and 0 <= t < (vocab_size or INT_MAX) for t in ids)), name,
+                 f"must be a list of at most {MAX_TOKEN_LIST} token ids" +
+                 (f" in [0, {vocab_size})" if vocab_size else ""))
+            if ids is not None:
+                setattr(self, name, list(ids))
         if self.logit_bias is not None:
-            self.logit_bias = _logit_bias(self.logit_bias)
+            self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        if vocab_size is not None:
+            top = min(vocab_size, max_top_logprobs if max_top_logprobs is not None else vocab_size)
+            need(self.top_logprobs_num <= top, "top_logprobs_num", f"must be at most {top}")
         need(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex",
              "must be a non-empty string")
         need(self.json_schema is None or isinstance(self.json_schema, dict)
@@ -106,21 +139,35 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def _logit_bias(bias) -> dict[int, float] | None:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v, limit: int = 80) -> str:
+    """repr of a refused value, cut short: an error message must not echo a megabyte back."""
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _logit_bias(bias, vocab_size: int | None) -> dict[int, float] | None:
     """{token id: bias} from OpenAI's shape (ids may be decimal strings); RequestError naming the bad entry."""
     def bad(rule: str):
         return RequestError(f"invalid sampling parameter logit_bias: {rule}")
 
-    if not isinstance(bias, dict):
+    if not isinstance(bias, Mapping):
         raise bad("must be a map of token id -> bias in [-100, 100]")
+    if len(bias) > MAX_TOKEN_LIST:
+        raise bad(f"at most {MAX_TOKEN_LIST} entries, got {len(bias)}")
     out = {}
     for k, v in bias.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20:
             k = int(k)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise bad(f"key {k!r} is not a token id (a non-negative integer or its decimal string)")
+        if not _is_int(k) or k < 0:
+            raise bad(f"key {_short(k)} is not a token id (a non-negative integer or its decimal string)")
+        if vocab_size is not None and k >= vocab_size:
+            raise bad(f"token id {k} is outside the model's vocabulary [0, {vocab_size})")
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not -100 <= v <= 100:
-            raise bad(f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+            raise bad(f"the bias of token {k} must be a number in [-100, 100], got {_short(v)}")
         out[k] = float(v)
     return out or None
 
@@ -145,16 +192,15 @@ class Req:
     prefix_slots: Any = None
     match_node: Any = None
     match_version: int = -1  # radix-cache version the match was taken at
-    cached_tokens: int = 0  # tokens served from the cache that this request had not computed itself
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed by this request (meta_info)
     computed_tokens: int = 0  # high-water mark of tokens this request prefilled/decoded itself
     extend_len: int = 0  # tokens this request computes in the current forward
     forward_passes: int = 0
     # Output side.
     finished: bool = False
     finish_reason: dict | None = None
-    error: str | None = None
+    error: str | None = None  # set when a fault inside a step was blamed on this request (it failed alone)
     text: str = ""
-    decoded_len: int = 0  # output ids already folded into `text` (incremental detokenization)
     input_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -186,7 +232,17 @@ class Req:
             return len(self.input_ids)
         return min(p.logprob_start_len, len(self.input_ids))
 
+    @property
+    def next_prompt_logprob(self) -> int:
+        """First prompt position whose logprob is still to be recorded (len(input_ids) once none is left)."""
+        return self.logprob_start + len(self.input_logprobs)
+
     def meta_info(self) -> dict:
+        """SGLang's meta_info. Usage: `prompt_tokens` = len(input_ids); `completion_tokens` = len(output_ids),
+        forced (jump-forward) tokens included; `cached_tokens` = how many of the prompt tokens were served from
+        the prefix cache instead of being computed by this request (0 <= cached_tokens <= prompt_tokens). Output
+        tokens found in the cache when a jump-forward re-prefills, and tokens recomputed after a retraction, are
+        not counted."""
         meta = {
             "id": str(self.rid),
             "prompt_tokens": len(self.input_ids),

@@ -9,20 +9,31 @@ batches everything in flight (continuous batching) and resolves each request's f
 
 A request ends early with finish reason {"type": "abort", ...} when it is aborted: `abort(rid)`, closing its stream
 before the end, or cancelling the `async_generate` awaiting it.
+
+Isolation: every field of a request is validated in the caller's thread (RequestError naming the field), so nothing
+a request carries reaches the scheduler thread unchecked. Should a step still raise, the scheduler singles out the
+requests it fails for (scheduler.py: bisection of the batch); they alone fail, with EngineError, and the failure is
+logged with their ids. The prefix cache survives; only an error that leaves the KV memory untrusted (in scheduling
+itself, or a device fault) rebuilds it, dropping the requests that held KV (queued ones carry on).
+`shutdown()` releases the engine's memory (KV buffers, CUDA graphs, weights), so another Engine fits after it.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import operator
 import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .core import Req, RequestError, SamplingParams
+from .core import EngineError, Req, RequestError, SamplingParams
 from .grammar import GrammarCache
 from .model.loader import resolve
 from .runner import ModelRunner
@@ -31,6 +42,7 @@ from .scheduler import Scheduler, SchedulerConfig
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never wait on a hub: a missing file fails fast
 
 _CPU_DEFAULT_TOKENS = 65536
+log = logging.getLogger(__name__)
 
 
 class RequestFuture(Future):
@@ -47,9 +59,13 @@ class Engine:
                  chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
-                 cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True):
+                 cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
+                 max_top_logprobs: int = 20, start: bool = True):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
+        `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
+        `start`: start the scheduler thread; False leaves `engine.scheduler.step()` to the caller (tests that
+        drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained
         requests only; see scheduler.py). Off, every token is sampled: the comparison baseline.
         `check_invariants`: check slot accounting after every step, and that every jump leaves the output ids
@@ -73,6 +89,9 @@ class Engine:
             max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
             seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs)
         self.context_length = ctx
+        self.device = dev
+        self.vocab_size = self.runner.cfg.vocab_size
+        self.max_top_logprobs = max_top_logprobs
         self.grammars = GrammarCache(self.tokenizer, self.runner.cfg.vocab_size, self.runner.cfg.eos_token_ids)
         self.max_total_tokens = self.runner.allocator.num_slots
         chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)
@@ -86,27 +105,38 @@ class Engine:
         self._flushes: list[Future] = []
         self._futures: dict[Req, Future] = {}
         self.busy_seconds = 0.0
+        self._lock = threading.Lock()  # orders submissions against shutdown: nothing is queued after "stop"
+        self._closed = False
+        self._failed_in_a_row = 0  # steps in a row that needed recover(): a second one fails the queue too
         self._thread = threading.Thread(target=self._loop, name="lmc-scheduler", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # ---- submission ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
                      input_ids: Sequence[int] | None = None, **logprob_opts) -> Req:
         """Validate and tokenize in the caller's thread; raises RequestError naming the problem."""
-        params = sampling_params if isinstance(sampling_params, SamplingParams) else \
-            SamplingParams.from_dict({**(sampling_params or {}), **{k: v for k, v in logprob_opts.items()
-                                                                    if v is not None}})
-        params.validate()
+        self._check_open()
+        limits = dict(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
+        if isinstance(sampling_params, SamplingParams):
+            params = sampling_params.validate(**limits)
+        else:
+            if sampling_params is not None and not isinstance(sampling_params, dict):
+                raise RequestError(f"sampling_params must be a dict, got {type(sampling_params).__name__}")
+            params = SamplingParams.from_dict({**(sampling_params or {}), **{k: v for k, v in logprob_opts.items()
+                                                                             if v is not None}}, **limits)
         if input_ids is None:
             if prompt is None:
                 raise RequestError("a request needs a prompt (text) or input_ids")
+            if not isinstance(prompt, str):
+                raise RequestError(f"the prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError(f"model {self.model_name!r} has no tokenizer: pass input_ids")
             input_ids = self.tokenizer.encode(prompt)
-        ids = [int(t) for t in input_ids]
+        ids = _token_ids(input_ids)
         if not ids:
             raise RequestError("the prompt is empty")
-        vocab = self.runner.cfg.vocab_size
+        vocab = self.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"input_ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
         if len(ids) >= self.context_length:
@@ -114,11 +144,6 @@ class Engine:
                                f"{self.context_length}; shorten it")
         if len(ids) >= self.max_total_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
-        if params.token_ids_logprob and max(params.token_ids_logprob) >= vocab:
-            raise RequestError(f"token_ids_logprob must be in [0, {vocab}): got {max(params.token_ids_logprob)}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestError(f"invalid sampling parameter logit_bias: token id {max(params.logit_bias)} is outside "
-                               f"the model's vocabulary [0, {vocab})")
         req = Req(ids, params)
         req.grammar = self.grammars.matcher(params)  # compiles here, off the scheduler thread (cached per grammar)
         if params.seed is not None:
@@ -136,9 +161,15 @@ class Engine:
         return fut
 
     def _enqueue(self, req: Req, fut: RequestFuture) -> None:
-        fut.rid = str(req.rid)
-        fut.set_running_or_notify_cancel()  # from now on cancel() is refused: a cancelled future could not be resolved
-        self._inbox.put(("req", (req, fut)))
+        with self._lock:
+            self._check_open()
+            fut.rid = str(req.rid)
+            fut.set_running_or_notify_cancel()  # from now on cancel() is refused: a cancelled future could not be resolved
+            self._inbox.put(("req", (req, fut)))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine was shut down: it takes no more requests (create a new Engine)")
 
     def abort(self, rid: int | str) -> None:
         """Stop request `rid` (a future's `rid`, or its result's meta_info["id"]) wherever it is: queued, decoding
@@ -148,7 +179,9 @@ class Engine:
         self._inbox.put(("abort", rid))
 
     def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts) -> tuple[list[Future], bool]:
-        single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], (list, tuple))))
+        if input_ids is not None and (isinstance(input_ids, (str, bytes, Mapping)) or not hasattr(input_ids, "__len__")):
+            raise RequestError("input_ids must be a list of token ids, or a list of such lists")
+        single = not (isinstance(prompt, list) or (input_ids is not None and len(input_ids) and isinstance(input_ids[0], (list, tuple))))
         items = [prompt] if single and input_ids is None else (prompt if input_ids is None else None)
         ids = [input_ids] if single and input_ids is not None else input_ids
         n = len(items) if items is not None else len(ids)
@@ -245,13 +278,27 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop the prefix cache once the engine is idle. Returns True when done."""
         fut: Future = Future()
-        self._inbox.put(("flush", fut))
+        with self._lock:
+            self._check_open()
+            self._inbox.put(("flush", fut))
         return fut.result()
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
+        """Fail the requests in flight, stop the scheduler thread and release the engine's memory (KV buffers,
+        CUDA graphs, weights), so that another Engine in this process sizes its KV pool from a free device.
+        Submitting afterwards raises RuntimeError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._inbox.put(("stop", None))
+        if self._thread.is_alive():
             self._thread.join()
+        self.runner.close()
+        self.runner = self.scheduler = self.grammars = None
+        gc.collect()  # the runner and its CUDA graphs reference each other
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the next pool is sized
 
     def __enter__(self):
         return self
@@ -260,6 +307,7 @@ class Engine:
         self.shutdown()
 
     def stats(self) -> dict[str, Any]:
+        self._check_open()
         s = self.scheduler
         return {**s.stats, "busy_seconds": self.busy_seconds, "waiting": len(s.waiting), "running": len(s.running),
                 "free_slots": self.runner.allocator.available, "cached_slots": s.cache.total_size,
@@ -287,8 +335,8 @@ class Engine:
                         req = sched.abort(payload)
                         if self.check_invariants:
                             sched.check_invariants()
-                    except Exception as e:  # as in a step: fail the requests in flight, never kill this thread
-                        self._fail_all(e)
+                    except Exception as e:  # as in a step: recover, never kill this thread
+                        self._recover(e)
                         req = None
                     if req is not None:
                         self._deliver(req)
@@ -302,14 +350,15 @@ class Engine:
                 t0 = time.perf_counter()
                 try:
                     progressed = sched.step()
-                    if self.check_invariants:
+                    if self.check_invariants or sched.failed:  # a fault in the step: prove memory is consistent
                         sched.check_invariants()
-                except Exception as e:  # a bug must fail the requests in flight, not hang their callers
-                    self._fail_all(e)
+                except Exception as e:  # nobody to blame (see scheduler.py): rebuild memory, keep the queue
+                    self._recover(e)
                     continue
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
-                for r in progressed:
+                self._failed_in_a_row = 0
+                for r in sched.failed + progressed:
                     self._deliver(r)
                 if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
                     self._fail_all(RuntimeError(f"{len(self._futures)} request(s) left the scheduler unfinished"))
@@ -320,11 +369,36 @@ class Engine:
                 self._flushes = []
 
     def _deliver(self, r: Req) -> None:
-        """Hand a request's progress to its stream, and its result to its future once finished."""
+        """Hand a request's progress to its stream, and its result (or the error it failed with) to its future
+        once finished."""
+        if r.error is not None:
+            self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed inside the engine: {r.error}"))
+            return
         if r.on_progress is not None:
             r.on_progress(r)
         if r.finished:
             self._futures.pop(r).set_result(r.result())
+
+    def _recover(self, exc: BaseException) -> None:
+        """A step (or an abort) raised with no request to blame: the scheduler rebuilds its memory and keeps its
+        queue; requests that held KV fail, finished ones are delivered. A second such failure in a row fails the
+        queue too (a queued request may be the cause)."""
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row > 1:
+            log.error("the scheduler failed again; failing all %d requests in flight", len(self._futures),
+                      exc_info=exc)
+            self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            return
+        kept = set(self.scheduler.recover())
+        lost = [r for r in self._futures if not r.finished and r not in kept]
+        log.error("the scheduler failed outside any request's forward; KV memory rebuilt, %d request(s) dropped "
+                  "(ids %s), %d kept queued", len(lost), [r.rid for r in lost], len(kept), exc_info=exc)
+        for r in [r for r in self._futures if r.finished]:
+            self._deliver(r)
+        for r in lost:
+            self._futures.pop(r).set_exception(EngineError(
+                f"request {r.rid} was dropped: the engine failed ({type(exc).__name__}: {exc}) and rebuilt its "
+                "KV memory"))
 
     def _fail_all(self, exc: BaseException) -> None:
         for req, fut in self._futures.items():
@@ -333,11 +407,39 @@ class Engine:
         self.scheduler.reset()
 
 
+def _token_ids(ids) -> list[int]:
+    """input_ids as a list of ints: integers only (numpy / tensor integers too), never bools, floats or strings.
+    Range checks are the caller's."""
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
+        raise RequestError(f"input_ids must be a list of token ids, got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise RequestError(f"input_ids must be integers, got {type(t).__name__} {repr(t)[:40]}") from None
+    return out
+
+
 class _Deltas:
-    """Turns a request's growing output into text deltas (called on the scheduler thread)."""
+    """Turns a request's growing output into text deltas. It runs on the scheduler thread after every step, so its
+    cost per step is bounded, not proportional to the output so far.
+
+    Incremental detokenization (as vLLM's): `text` is the text of `output_ids[:read]`; a step decodes only the
+    tokens from `prefix` (a little left context, so a token decodes as it does in the whole text) to the end, and
+    tokens ending inside a multi-byte UTF-8 character wait (up to MAX_PENDING tokens) for the ones completing it.
+    Text that may still become a stop string is held back; only the tail as long as the longest stop string is
+    scanned. A jump-forward may rewrite output tokens already read (retokenization keeps the text, not the ids):
+    then the text is decoded once from the start."""
+
+    MAX_PENDING = 8  # tokens that still decode to an incomplete character are accepted as they are past this
 
     def __init__(self, tokenizer, stops, push):
-        self.tokenizer, self.stops, self.push, self.sent = tokenizer, stops, push, 0
+        self.tokenizer, self.stops, self.push = tokenizer, stops, push
+        self.sent = 0  # characters pushed
+        self.text, self.prefix, self.read, self.jumps = "", 0, 0, 0
 
     def __call__(self, r: Req) -> None:
         if r.finished:
@@ -345,13 +447,42 @@ class _Deltas:
         elif self.tokenizer is None:
             text = ""
         else:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True).rstrip("\ufffd")  # partial UTF-8
-            hold = max((k for s in self.stops for k in range(1, min(len(s), len(text)) + 1)
-                        if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
+            self._advance(r)
+            text = self.text[:len(self.text) - _held_back(self.text, self.stops)]
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         chunk = {"text": delta}
         if r.finished:
             chunk.update(r.result(), text=delta)
         if delta or r.finished:
             self.push(chunk)
+
+    def _advance(self, r: Req) -> None:
+        ids = r.output_ids
+        if r.jumps != self.jumps:  # ids before `read` may have been rewritten
+            self.text, self.prefix, self.read, self.jumps = "", 0, 0, r.jumps
+        if len(ids) <= self.read:
+            return
+        decode = self.tokenizer.decode
+        known = decode(ids[self.prefix:self.read], skip_special_tokens=True)
+        new = decode(ids[self.prefix:], skip_special_tokens=True)
+        if len(new) > len(known) and (not new.endswith("\ufffd") or len(ids) - self.read >= self.MAX_PENDING):
+            self.text += new[len(known):]
+            self.prefix, self.read = self.read, len(ids)
+
+
+def _held_back(text: str, stops) -> int:
+    """Length of the longest tail of `text` that is a prefix of a stop string: it may still become one."""
+    if not text:
+        return 0
+    best, last = 0, text[-1]
+    for s in stops:
+        k = min(len(s), len(text))
+        while k > best:
+            i = s.rfind(last, 0, k)  # s[:i + 1] ends with text's last character: the only candidates
+            if i < 0:
+                break
+            if i + 1 > best and text.endswith(s[:i + 1]):
+                best = i + 1
+                break
+            k = i
+    return best

@@ -78,6 +78,10 @@ class ModelRunner:
         self.dummy_row = self.req_pool.alloc()
         self.allocator = SlotAllocator(self.allocator.num_slots)
 
+    def close(self) -> None:
+        """Drop the CUDA graphs, KV buffers, slot table and weights (Engine.shutdown); unusable afterwards."""
+        self.graphs = self.kv = self.req_pool = self.model = None
+
     def run(self, sb: ScheduledBatch) -> StepOutput:
         logits, prompt_rows = self.forward(sb)
         return self._postprocess(sb, logits, prompt_rows)

@@ -19,9 +19,18 @@ freed, and it is re-queued, so its next prefill matches the unchanged prefix and
 Slot accounting invariant (checked by `check_invariants()` after every step in tests): every KV slot is exactly
 one of free, owned by the radix tree (evictable or protected), or owned by a resident request (row positions
 `[cache_protected_len, kv_len)`).
+
+Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
+for are singled out; those alone finish with an error (`Req.error`, listed in `failed`), the rest of the batch is
+processed as usual. A forward writes KV only into the slots allocated for its batch, and slots past a request's
+`kv_len` belong to no one in the invariant above, so a failed forward leaves the pools and the tree consistent: a
+blamed request's step slots are freed and its earlier KV goes to the tree like an aborted request's. An error while
+processing one request's output fails that request alone. Only an error in scheduling itself, or a device fault
+(a CUDA error poisons everything computed since), leaves memory untrusted: then the engine calls `recover()`.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -37,6 +46,8 @@ IN_BATCH_CHECK = 32  # requests matching at most this many cached tokens are che
 IN_BATCH_DEPRIORITIZE = 32  # ...and wait a step if a request admitted earlier carries >= this many of their tokens
 POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward extends at most this long
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,11 +75,13 @@ class Scheduler:
         self.disable_radix_cache = disable_radix_cache
         self.grammars, self.enable_jump_forward, self.debug_checks = grammars, enable_jump_forward, debug_checks
         self._rng = random.Random(seed)
+        self.failed: list[Req] = []  # requests the last step failed (blamed for a fault); each has `.error`
         self.reset()
         self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
                       "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0,
                       "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
-                      "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0}
+                      "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0, "failed_forwards": 0,
+                      "failed_requests": 0, "recoveries": 0}
 
     def reset(self) -> None:
         """Forget every request and cached prefix and rebuild the pools (after a failure in a step)."""
@@ -80,6 +93,20 @@ class Scheduler:
         self.chunked: Req | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
         self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    def recover(self) -> list[Req]:
+        """After an error no request could be blamed for (in scheduling itself, or a device fault): the pools and
+        the tree are not trusted, so they are rebuilt (the prefix cache is lost). Queued requests hold no KV and
+        stay queued (their matches are forgotten; one being admitted when the error struck loses its row with the
+        pools); resident ones lose their KV and are dropped. Returns the requests still queued."""
+        kept = [r for r in self.waiting if not r.finished]
+        self.reset()
+        for r in kept:
+            r.row, r.kv_len, r.cache_protected_len, r.last_node = -1, 0, 0, None
+            r.prefix_slots, r.match_node, r.match_version = None, None, -1
+        self.waiting = kept
+        self.stats["recoveries"] += 1
+        return kept
 
     # ---- front ---------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -125,17 +152,52 @@ class Scheduler:
         return True
 
     def step(self) -> list[Req]:
-        """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`)."""
+        """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`).
+        Requests failed by a fault in the step are in `self.failed` (finished, with `.error`), not in the list."""
         self._aborted: list[Req] = self._early
         self._early = []
         self._riders: set[Req] = set()  # running requests decoding inside this step's prefill forward
+        self.failed = []
         sb = self._schedule_prefill() or self._schedule_decode()
         if sb is None:
             return self._aborted
-        out = self.runner.run(sb)
+        return self._aborted + self._run(sb)
+
+    def _run(self, sb: ScheduledBatch) -> list[Req]:
+        """Forward `sb` and process its output. If the forward raises, bisect: run each half on its own, down to
+        the single requests it fails for, which fail alone (see the module docstring)."""
+        try:
+            out = self.runner.run(sb)
+        except Exception as e:
+            if _device_fault(e):
+                raise
+            self.stats["failed_forwards"] += 1
+            if len(sb.reqs) == 1:
+                self._fail(sb.reqs[0], e, step_slots=sb.extend_lens[0])
+                return []
+            half = len(sb.reqs) // 2
+            return self._run(_sub_batch(sb, 0, half)) + self._run(_sub_batch(sb, half, len(sb.reqs)))
         self.stats["forwards"] += 1
         self.stats["decode_forwards" if sb.is_decode else "prefill_forwards"] += 1
-        return self._aborted + self._process(sb, out)
+        return self._process(sb, out)
+
+    def _fail(self, r: Req, exc: BaseException, step_slots: int = 0) -> None:
+        """Finish `r` with an error: a fault in this step was blamed on it. `step_slots`: slots allocated for r in
+        this step past its kv_len that its failed forward never filled (freed). Its earlier KV is sound and goes
+        to the tree, as an aborted request's does."""
+        if r.row >= 0 and step_slots:
+            self.allocator.free(self.table[r.row, r.kv_len:r.kv_len + step_slots].to("cpu", torch.int64))
+        if r is self.chunked:
+            self.chunked = None
+        for q in (self.running, self.waiting):
+            if r in q:
+                q.remove(r)
+        self._release(r)
+        r.finished, r.error = True, f"{type(exc).__name__}: {exc}"
+        r.finish_reason = {"type": "abort", "message": f"internal error: {r.error}"}
+        self.failed.append(r)
+        self.stats["failed_requests"] += 1
+        log.error("request %s failed inside a step; the other requests carry on", r.rid, exc_info=exc)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -220,12 +282,12 @@ class Scheduler:
 
     def _match(self, r: Req) -> None:
         """Longest cached prefix usable by `r`: at least one token is always recomputed (its logits are needed),
-        and when prompt logprobs are asked for, their positions are recomputed too."""
+        and the positions of prompt logprobs not recorded yet are recomputed too."""
         if r.match_version == self.cache.version:
             return  # nothing was inserted or evicted since: the match still holds (LPM stays cheap under load)
         limit = len(r.fill_ids) - 1
-        if r.computed_tokens == 0 and r.params.return_logprob:
-            limit = min(limit, max(r.logprob_start - 1, 0))
+        if r.next_prompt_logprob < len(r.input_ids):
+            limit = min(limit, max(r.next_prompt_logprob - 1, 0))
         r.prefix_slots, r.match_node = self.cache.match(r.fill_ids[:limit])
         r.match_version = self.cache.version
 
@@ -240,7 +302,10 @@ class Scheduler:
                 p = len(r.prefix_slots)
                 self.table[row, :p] = r.prefix_slots.to(self.table.device, torch.int32)
                 r.row, r.last_node, r.cache_protected_len, r.kv_len = row, r.match_node, p, p
-                fresh = max(0, p - r.computed_tokens)  # tokens r did not compute itself earlier
+                # Prompt tokens served from the cache that r did not compute itself earlier. Output tokens found
+                # in the cache (after a jump-forward, another request may have cached the same forced text) are
+                # no prompt cache hit: cached_tokens <= prompt_tokens.
+                fresh = max(0, min(p, len(r.input_ids)) - r.computed_tokens)
                 r.cached_tokens += fresh
                 self.stats["cached_tokens"] += fresh
                 self.stats["prompt_tokens"] += len(r.input_ids) if r.computed_tokens == 0 else 0
@@ -338,53 +403,66 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------------------------
     def _process(self, sb: ScheduledBatch, out: StepOutput) -> list[Req]:
-        progressed = []
-        for r, ext, nid, olp, ilp in zip(sb.reqs, sb.extend_lens, out.next_ids, out.out_logprobs, out.in_logprobs):
-            if r.kv_len == 0 and r.params.return_logprob and r.logprob_start == 0:
-                r.input_logprobs.append((None, r.input_ids[0], None))
-                r.input_top_logprobs.append(None)
+        for r, ext in zip(sb.reqs, sb.extend_lens):  # the forward filled these slots: r owns them now
             r.kv_len += ext
             r.computed_tokens = max(r.computed_tokens, r.kv_len)
             r.forward_passes += 1
             self.stats["computed_tokens"] += ext
-            for pos, lp, top in ilp:
-                r.input_logprobs.append((lp, r.input_ids[pos], None))
-                r.input_top_logprobs.append(top)
-            if nid is None:
-                if r.kv_len < len(r.fill_ids):  # a non-final chunk: share what it has so far
-                    self._cache_unfinished(r)
-                else:  # max_new_tokens == 0: prefill only
-                    if r is self.chunked:
-                        self.chunked = None
-                    self._finish(r, {"type": "length", "length": 0})
+        progressed = []
+        for r, nid, olp, ilp in zip(sb.reqs, out.next_ids, out.out_logprobs, out.in_logprobs):
+            try:
+                if self._process_one(r, nid, olp, ilp, sb.is_decode):
                     progressed.append(r)
-                continue
-            if r is self.chunked:
-                self.chunked = None
-            r.output_ids.append(nid)
-            if olp is not None:
-                r.output_logprobs.append((olp[0], nid, None))
-                r.output_top_logprobs.append(olp[1])
-                if olp[2] is not None:
-                    r.output_token_ids_logprobs.append([(lp, t, None) for lp, t in olp[2]])
-            if r.grammar is not None and not r.grammar.accept_token(nid):  # the mask allowed it: cannot happen
-                reason = {"type": "abort", "message": f"token {nid} was sampled but its grammar rejects it"}
-            else:
-                reason = self._finish_reason(r, nid)
-            if reason is None and r.grammar is not None:
-                jumped = self._jump_forward(r)
-                if jumped is not None:  # r left the batch: finished, or re-queued to prefill the forced tokens
-                    if jumped == "requeue":
-                        self.waiting.insert(0, r)
-                    progressed.append(r)
-                    continue
-            if reason is not None:
-                self._finish(r, reason)
-            elif not sb.is_decode and r not in self._riders:
-                self._cache_unfinished(r)
-                self.running.append(r)
-            progressed.append(r)
+            except Exception as e:  # this request's output broke something: it fails alone
+                if _device_fault(e):
+                    raise
+                self._fail(r, e)
         return progressed
+
+    def _process_one(self, r: Req, nid: int | None, olp, ilp, is_decode: bool) -> bool:
+        """Fold one request's forward output in. Returns whether it produced output (a token, or its end)."""
+        if r.params.return_logprob:
+            # A resumed prefill (after a retraction, or a jump whose prompt KV was evicted) recomputes prompt
+            # positions already recorded: each prompt logprob is recorded once, in position order.
+            if r.logprob_start == 0 and not r.input_logprobs:
+                r.input_logprobs.append((None, r.input_ids[0], None))
+                r.input_top_logprobs.append(None)
+            for pos, lp, top in ilp:
+                if pos == r.next_prompt_logprob:
+                    r.input_logprobs.append((lp, r.input_ids[pos], None))
+                    r.input_top_logprobs.append(top)
+        if nid is None:
+            if r.kv_len < len(r.fill_ids):  # a non-final chunk: share what it has so far
+                self._cache_unfinished(r)
+                return False
+            if r is self.chunked:  # max_new_tokens == 0: prefill only
+                self.chunked = None
+            self._finish(r, {"type": "length", "length": 0})
+            return True
+        if r is self.chunked:
+            self.chunked = None
+        r.output_ids.append(nid)
+        if olp is not None:
+            r.output_logprobs.append((olp[0], nid, None))
+            r.output_top_logprobs.append(olp[1])
+            if olp[2] is not None:
+                r.output_token_ids_logprobs.append([(lp, t, None) for lp, t in olp[2]])
+        if r.grammar is not None and not r.grammar.accept_token(nid):  # the mask allowed it: cannot happen
+            reason = {"type": "abort", "message": f"token {nid} was sampled but its grammar rejects it"}
+        else:
+            reason = self._finish_reason(r, nid)
+        if reason is None and r.grammar is not None:
+            jumped = self._jump_forward(r)
+            if jumped is not None:  # r left the batch: finished, or re-queued to prefill the forced tokens
+                if jumped == "requeue":
+                    self.waiting.insert(0, r)
+                return True
+        if reason is not None:
+            self._finish(r, reason)
+        elif not is_decode and r not in self._riders:
+            self._cache_unfinished(r)
+            self.running.append(r)
+        return True
 
     def _finish_reason(self, r: Req, tok: int) -> dict | None:
         p, n = r.params, len(r.output_ids)
@@ -577,3 +655,17 @@ class Scheduler:
                 tree_slots = self.cache.peek(r.fill_ids[:r.cache_protected_len])
                 row = self.table[r.row, :r.cache_protected_len].to("cpu", torch.int64)
                 assert torch.equal(tree_slots, row), "a request's shared prefix disagrees with the tree"
+
+
+def _sub_batch(sb: ScheduledBatch, lo: int, hi: int) -> ScheduledBatch:
+    """Requests lo..hi of a scheduled batch, with their slots (out_slots holds each request's extend in order)."""
+    start, end = sum(sb.extend_lens[:lo]), sum(sb.extend_lens[:hi])
+    return ScheduledBatch(sb.reqs[lo:hi], sb.is_decode, sb.prefix_lens[lo:hi], sb.extend_lens[lo:hi],
+                          sb.out_slots[start:end], sb.sample[lo:hi])
+
+
+def _device_fault(e: BaseException) -> bool:
+    """A CUDA error (illegal address, device-side assert) poisons the context: nothing computed since, KV
+    included, can be trusted, so no retry can isolate it. Out-of-memory is no such fault (a smaller batch fits)."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
