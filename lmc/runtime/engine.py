@@ -161,11 +161,16 @@ class Engine:
         return fut
 
     def _enqueue(self, req: Req, fut: RequestFuture) -> None:
+        self._enqueue_batch([(req, fut)])
+
+    def _enqueue_batch(self, batch: list[tuple[Req, RequestFuture]]) -> None:
+        """Queue requests as one inbox item: requests submitted together are admitted together (one prefill)."""
         with self._lock:
             self._check_open()
-            fut.rid = str(req.rid)
-            fut.set_running_or_notify_cancel()  # from now on cancel() is refused: a cancelled future could not be resolved
-            self._inbox.put(("req", (req, fut)))
+            for req, fut in batch:
+                fut.rid = str(req.rid)
+                fut.set_running_or_notify_cancel()  # from now on cancel() is refused: it could not be resolved
+            self._inbox.put(("reqs", batch))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -179,17 +184,28 @@ class Engine:
         self._inbox.put(("abort", rid))
 
     def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts) -> tuple[list[Future], bool]:
-        if input_ids is not None and (isinstance(input_ids, (str, bytes, Mapping)) or not hasattr(input_ids, "__len__")):
+        if input_ids is not None and (isinstance(input_ids, (str, bytes, Mapping))
+                                      or not hasattr(input_ids, "__len__")):
             raise RequestError("input_ids must be a list of token ids, or a list of such lists")
-        single = not (isinstance(prompt, list) or (input_ids is not None and len(input_ids) and isinstance(input_ids[0], (list, tuple))))
+        nested = input_ids is not None and len(input_ids) and isinstance(input_ids[0], (list, tuple))
+        single = not (isinstance(prompt, list) or nested)
         items = [prompt] if single and input_ids is None else (prompt if input_ids is None else None)
         ids = [input_ids] if single and input_ids is not None else input_ids
         n = len(items) if items is not None else len(ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise RequestError(f"{n} prompts but {len(params)} sampling_params")
-        futs = [self.submit(items[i] if items is not None else None, params[i],
-                            ids[i] if ids is not None else None, **logprob_opts) for i in range(n)]
+        futs, batch = [], []
+        for i in range(n):
+            fut = RequestFuture()
+            try:
+                req = self.make_request(items[i] if items is not None else None, params[i],
+                                        ids[i] if ids is not None else None, **logprob_opts)
+                batch.append((req, fut))
+            except RequestError as e:
+                fut.set_exception(e)
+            futs.append(fut)
+        self._enqueue_batch(batch)
         return futs, single
 
     @staticmethod
@@ -326,10 +342,14 @@ class Engine:
                 if kind == "stop":
                     self._fail_all(RuntimeError("the engine was shut down"))
                     return
-                if kind == "req":
-                    req, fut = payload
-                    self._futures[req] = fut
-                    sched.add(req)
+                if kind == "reqs":
+                    for req, fut in payload:
+                        self._futures[req] = fut
+                    try:
+                        for req, _ in payload:
+                            sched.add(req)  # a request it fails for fails alone (scheduler.add)
+                    except Exception as e:  # a device fault
+                        self._recover(e)
                 elif kind == "abort":
                     try:
                         req = sched.abort(payload)
@@ -350,15 +370,15 @@ class Engine:
                 t0 = time.perf_counter()
                 try:
                     progressed = sched.step()
-                    if self.check_invariants or sched.failed:  # a fault in the step: prove memory is consistent
-                        sched.check_invariants()
+                    if self.check_invariants or any(r.error for r in progressed):  # a fault in the step:
+                        sched.check_invariants()  # prove the memory consistent before going on
                 except Exception as e:  # nobody to blame (see scheduler.py): rebuild memory, keep the queue
                     self._recover(e)
                     continue
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
                 self._failed_in_a_row = 0
-                for r in sched.failed + progressed:
+                for r in progressed:
                     self._deliver(r)
                 if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
                     self._fail_all(RuntimeError(f"{len(self._futures)} request(s) left the scheduler unfinished"))
@@ -372,7 +392,7 @@ class Engine:
         """Hand a request's progress to its stream, and its result (or the error it failed with) to its future
         once finished."""
         if r.error is not None:
-            self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed inside the engine: {r.error}"))
+            self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed in the engine: {r.error}"))
             return
         if r.on_progress is not None:
             r.on_progress(r)

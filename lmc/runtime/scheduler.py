@@ -21,8 +21,8 @@ one of free, owned by the radix tree (evictable or protected), or owned by a res
 `[cache_protected_len, kv_len)`).
 
 Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
-for are singled out; those alone finish with an error (`Req.error`, listed in `failed`), the rest of the batch is
-processed as usual. A forward writes KV only into the slots allocated for its batch, and slots past a request's
+for are singled out; those alone finish with an error (`Req.error`), the rest of the batch is processed as
+usual. A forward writes KV only into the slots allocated for its batch, and slots past a request's
 `kv_len` belong to no one in the invariant above, so a failed forward leaves the pools and the tree consistent: a
 blamed request's step slots are freed and its earlier KV goes to the tree like an aborted request's. An error while
 processing one request's output fails that request alone. Only an error in scheduling itself, or a device fault
@@ -75,7 +75,6 @@ class Scheduler:
         self.disable_radix_cache = disable_radix_cache
         self.grammars, self.enable_jump_forward, self.debug_checks = grammars, enable_jump_forward, debug_checks
         self._rng = random.Random(seed)
-        self.failed: list[Req] = []  # requests the last step failed (blamed for a fault); each has `.error`
         self.reset()
         self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
                       "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0,
@@ -110,8 +109,15 @@ class Scheduler:
 
     # ---- front ---------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
-            self._early.append(req)  # the grammar forced the whole output: no forward needed
+        try:
+            if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
+                self._early.append(req)  # the grammar forced the whole output: no forward needed
+                return
+        except Exception as e:  # it holds no KV yet: it fails alone, delivered by the next step
+            if _device_fault(e):
+                raise
+            self._fail(req, e)
+            self._early.append(req)
             return
         self.waiting.append(req)
 
@@ -153,11 +159,10 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward. Returns the requests that produced output in it (finished ones have `.finished`).
-        Requests failed by a fault in the step are in `self.failed` (finished, with `.error`), not in the list."""
+        A request failed by a fault in the step is among them, finished with `.error` set."""
         self._aborted: list[Req] = self._early
         self._early = []
         self._riders: set[Req] = set()  # running requests decoding inside this step's prefill forward
-        self.failed = []
         sb = self._schedule_prefill() or self._schedule_decode()
         if sb is None:
             return self._aborted
@@ -174,7 +179,7 @@ class Scheduler:
             self.stats["failed_forwards"] += 1
             if len(sb.reqs) == 1:
                 self._fail(sb.reqs[0], e, step_slots=sb.extend_lens[0])
-                return []
+                return sb.reqs
             half = len(sb.reqs) // 2
             return self._run(_sub_batch(sb, 0, half)) + self._run(_sub_batch(sb, half, len(sb.reqs)))
         self.stats["forwards"] += 1
@@ -195,7 +200,6 @@ class Scheduler:
         self._release(r)
         r.finished, r.error = True, f"{type(exc).__name__}: {exc}"
         r.finish_reason = {"type": "abort", "message": f"internal error: {r.error}"}
-        self.failed.append(r)
         self.stats["failed_requests"] += 1
         log.error("request %s failed inside a step; the other requests carry on", r.rid, exc_info=exc)
 
@@ -417,6 +421,7 @@ class Scheduler:
                 if _device_fault(e):
                     raise
                 self._fail(r, e)
+                progressed.append(r)
         return progressed
 
     def _process_one(self, r: Req, nid: int | None, olp, ilp, is_decode: bool) -> bool:
