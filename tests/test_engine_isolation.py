@@ -121,7 +121,7 @@ def test_a_failing_prefill_fails_only_the_blamed_request(engine, tokenizer, monk
     """Five requests in one prefill, one of which makes the forward raise: bisection singles it out."""
     engine.generate(WARM + "Warm-up?", GREEDY)
     prompts = [WARM + f"Room {i}?" for i in range(5)]
-    alone = [engine.generate(p, GREEDY)["output_ids"] for p in prompts]
+    alone = [r["output_ids"] for r in engine.generate(prompts, GREEDY)]  # the same batch without the fault
     failed_before = engine.stats()["failed_requests"]
     fault = FaultyForward(engine.runner.run, _marked(tokenizer, prompts[3]))
     monkeypatch.setattr(engine.runner, "run", fault)
@@ -140,8 +140,8 @@ def test_a_failing_prefill_fails_only_the_blamed_request(engine, tokenizer, monk
 
 def test_a_failing_decode_fails_only_the_blamed_request(engine, tokenizer, monkeypatch):
     prompts = [f"Step {i}: the list of prime numbers begins" for i in range(4)]
-    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
-    alone = [engine.generate(p, params)["output_ids"] for p in prompts]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone = [r["output_ids"] for r in engine.generate(prompts, params)]
     ids = tokenizer.encode(prompts[1])
     fault = FaultyForward(engine.runner.run,
                           lambda r, sb: r.input_ids == ids and sb.is_decode and len(r.output_ids) >= 4)

@@ -395,7 +395,14 @@ class Engine:
             self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed in the engine: {r.error}"))
             return
         if r.on_progress is not None:
-            r.on_progress(r)
+            try:
+                r.on_progress(r)
+            except Exception as e:  # its stream is broken (e.g. the consumer's event loop closed): stop it alone
+                log.error("the stream of request %s failed; aborting it", r.rid, exc_info=e)
+                if not r.finished:
+                    self.scheduler.abort(r.rid)
+                self._futures.pop(r).set_exception(EngineError(f"the stream of request {r.rid} failed: {e!r}"))
+                return
         if r.finished:
             self._futures.pop(r).set_result(r.result())
 
@@ -404,12 +411,15 @@ class Engine:
         queue; requests that held KV fail, finished ones are delivered. A second such failure in a row fails the
         queue too (a queued request may be the cause)."""
         self._failed_in_a_row += 1
-        if self._failed_in_a_row > 1:
+        try:
+            if self._failed_in_a_row > 1:
+                raise exc
+            kept = set(self.scheduler.recover())
+        except Exception as e:
             log.error("the scheduler failed again; failing all %d requests in flight", len(self._futures),
-                      exc_info=exc)
+                      exc_info=e)
             self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
             return
-        kept = set(self.scheduler.recover())
         lost = [r for r in self._futures if not r.finished and r not in kept]
         log.error("the scheduler failed outside any request's forward; KV memory rebuilt, %d request(s) dropped "
                   "(ids %s), %d kept queued", len(lost), [r.rid for r in lost], len(kept), exc_info=exc)
@@ -424,7 +434,10 @@ class Engine:
         for req, fut in self._futures.items():
             fut.set_exception(exc)
         self._futures.clear()
-        self.scheduler.reset()
+        try:
+            self.scheduler.reset()
+        except Exception as e:  # the device is gone; the queues are empty, later requests fail in their steps
+            log.error("rebuilding the KV memory failed", exc_info=e)
 
 
 def _token_ids(ids) -> list[int]:

@@ -83,15 +83,16 @@ class Scheduler:
                       "failed_requests": 0, "recoveries": 0}
 
     def reset(self) -> None:
-        """Forget every request and cached prefix and rebuild the pools (after a failure in a step)."""
-        self.runner.reset_memory()
-        self.allocator = self.runner.allocator
-        self.cache = RadixCache(self.allocator.free, disabled=self.disable_radix_cache)
+        """Forget every request and cached prefix and rebuild the pools. The queues are emptied first: should
+        the device refuse the rebuild, the scheduler is at least left with no work."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
         self.new_token_ratio = self.cfg.init_new_token_ratio
+        self.runner.reset_memory()
+        self.allocator = self.runner.allocator
+        self.cache = RadixCache(self.allocator.free, disabled=self.disable_radix_cache)
 
     def recover(self) -> list[Req]:
         """After an error no request could be blamed for (in scheduling itself, or a device fault): the pools and
