@@ -195,6 +195,18 @@ def test_an_unblamable_failure_rebuilds_memory_and_keeps_the_queue(engine, monke
     assert any("KV memory rebuilt" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_device_fault_is_not_retried_and_drops_the_batch(engine, tokenizer, monkeypatch):
+    """A CUDA error poisons everything computed since: no bisection, the KV memory is rebuilt and the requests
+    that held KV fail; the engine serves the next request."""
+    fault = FaultyForward(engine.runner.run, _marked(tokenizer, "Device one"),
+                          message="CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.runner, "run", fault)
+    out = engine.generate(["Device one", "Device two"], GREEDY)
+    monkeypatch.undo()
+    assert fault.raised == 1 and all("illegal memory access" in r["error"] for r in out)
+    assert len(engine.generate("Device two", GREEDY)["output_ids"]) == 6
+
+
 # ---- regressions -----------------------------------------------------------------------------------------------
 def test_a_resumed_prefill_records_prompt_logprobs_once(engine, tokenizer):
     """Retracted, with its prompt KV evicted, a request recomputes its prompt: its logprobs are not appended
