@@ -238,6 +238,29 @@ def test_a_resumed_prefill_records_prompt_logprobs_once(engine, tokenizer):
     assert r.output_ids == engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
 
 
+def test_a_jump_requeue_with_evicted_prompt_records_prompt_logprobs_once(engine, tokenizer):
+    """A jump-forward re-queues its request; with the prompt's KV evicted meanwhile, the re-prefill recomputes the
+    prompt: its logprobs are recorded once."""
+    stepped = Engine(max_total_tokens=256, max_running_requests=2, start=False)
+    try:
+        sched = stepped.scheduler
+        ids = tokenizer.encode(chat("Two words as JSON."))
+        params = {"max_new_tokens": 30, "temperature": 0, "regex": r'\{"a": "[a-z]{1,5}", "b": "[a-z]{1,5}"\}'}
+        r = stepped.make_request(None, params, ids, return_logprob=True, logprob_start_len=0)
+        sched.add(r)
+        evicted = False
+        while not r.finished:
+            sched.step()
+            if not evicted and r in sched.waiting and r.computed_tokens:  # re-queued by a jump
+                sched.cache.evict(sched.cache.total_size)
+                evicted = True
+        assert evicted and r.jumps >= 2
+        got = r.result()["meta_info"]["input_token_logprobs"]
+    finally:
+        stepped.shutdown()
+    assert [t for _, t, _ in got] == ids
+
+
 def test_cached_tokens_count_prompt_tokens_only_under_jump_forward(engine):
     """The same json_schema request twice: the second one's jumps re-prefill output tokens the first one cached;
     those are no prompt cache hits (it reported cached_tokens > prompt_tokens)."""
