@@ -411,13 +411,15 @@ class Engine:
         queue; requests that held KV fail, finished ones are delivered. A second such failure in a row fails the
         queue too (a queued request may be the cause)."""
         self._failed_in_a_row += 1
-        try:
-            if self._failed_in_a_row > 1:
-                raise exc
-            kept = set(self.scheduler.recover())
-        except Exception as e:
+        kept = None
+        if self._failed_in_a_row == 1:
+            try:
+                kept = set(self.scheduler.recover())
+            except Exception as e:
+                log.error("rebuilding the KV memory failed", exc_info=e)
+        if kept is None:
             log.error("the scheduler failed again; failing all %d requests in flight", len(self._futures),
-                      exc_info=e)
+                      exc_info=exc)
             self._fail_all(EngineError(f"the engine failed: {type(exc).__name__}: {exc}"))
             return
         lost = [r for r in self._futures if not r.finished and r not in kept]
