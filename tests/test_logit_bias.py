@@ -149,10 +149,11 @@ SELECTS = [("The capital of France is the city of ", ["London", "Paris", "Berlin
            ("Q: What color is the sky on a clear day?\nA: The sky is ", ["green", "blue", "red"])]
 
 
-def test_select_follows_the_most_likely_first_token(server, engine, tokenizer):
+def test_select_follows_the_most_likely_first_token(server, engine, tokenizer, monkeypatch):
     """Choices that differ in their first character: one call decides, and at temperature 0 the decision is the
     choice begun by the most likely token among all tokens that begin a choice (the engine's full distribution)."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    monkeypatch.setattr(engine, "max_top_logprobs", len(texts))  # the reference reads the whole distribution
     b = _backend(server, tokenizer, is_chat_model=False)
     refs = []
     for prompt, choices in SELECTS:
