@@ -145,8 +145,10 @@ def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new):
         return time_call(lambda: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                              min_new_tokens=n, do_sample=False, pad_token_id=0), dev)
 
-    lmc(2)  # warm-up (kernel compilation)
-    hf_gen(2)
+    # Warm-up at the timed length: a 2-token warm-up left transformers' first timed run 2-3x slower than the rest
+    # (H200, 2026-12-01), which a single run then quoted as its speed.
+    lmc(new + 1)
+    hf_gen(new + 1)
     lmc_step, hf_step = [], []
     for _ in range(repeat):  # per-step time = (time for new+1 tokens - time for 1) / new: prefill cancels out
         lmc_step.append((lmc(new + 1) - lmc(1)) / new)
@@ -170,12 +172,16 @@ def few_shot(hf, eng, vocab, dev, repeat, programs, prefix_len, unique, new, hf_
     params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
     eng.generate(input_ids=progs[:4], sampling_params=params)  # warm-up
 
+    def hf_chunk_gen(i):
+        x = torch.tensor(progs[i:i + hf_chunk], device=dev)
+        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=0)
+
     def hf_all():
         for i in range(0, programs, hf_chunk):
-            x = torch.tensor(progs[i:i + hf_chunk], device=dev)
-            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=0)
+            hf_chunk_gen(i)
 
+    hf_chunk_gen(0)  # warm-up
     lmc_t, hf_t, cached_ratio, prefill_forwards, complete = [], [], [], [], True
     for _ in range(repeat):
         eng.flush_cache()
