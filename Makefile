@@ -36,8 +36,13 @@ graphviz:
 test: setup graphviz
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x --durations=15 tests
 
+# The quick CPU benchmarks (each rewrites its benchmarks/results/*.json), then RESULTS.md, README's numbers and
+# the plots from the JSON. The long ones (compiler_bench, jump_forward_bench, speculation_bench: the commands are
+# in their JSON and in RESULTS.md) are run by hand.
 bench: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_cpu.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/cpu_bench.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/frontend_overhead.py
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
