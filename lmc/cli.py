@@ -14,7 +14,8 @@
 printed to stderr at the end.
 
 Exit status: 0 on success, 1 when a program failed (for run-batch: when some line failed), 2 for a usage error
-(bad file, no or several programs, missing or unknown arguments, unknown backend or model).
+(bad file, no or several programs, missing or unknown arguments, unknown backend or model; for run-batch also an
+input whose lines changed since its partial output was written).
 """
 from __future__ import annotations
 
