@@ -19,28 +19,31 @@ COLORS = {"lmc": "#2a7ab9", "transformers": "#b0b0b0", "weight-read floor": "#6b
 PNG_METADATA = {"Software": None}  # no version stamp: the same JSON gives the same file
 
 
-def summary_panels(results_dir: Path) -> list[tuple[str, dict]]:
-    """(title, {label: figure}) per panel, figures as stored (a spread or a number)."""
+def summary_panels(results_dir: Path) -> list[tuple[str, dict, int]]:
+    """(title, {label: figure}, decimals) per panel, figures as stored (a spread or a number); the decimals are
+    RESULTS.md's for the same figure, so a bar's label reads as its table cell."""
     panels = []
     cpu_p, gpu_p = results_dir / "cpu.json", results_dir / "h200_bf16.json"
     if cpu_p.exists():
         cpu = json.loads(cpu_p.read_text())
         if "few_shot" in cpu:
             f = cpu["few_shot"]
-            panels.append(("CPU few-shot (programs/s)", {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]}))
+            panels.append(("CPU few-shot (programs/s)", {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]},
+                           2))
         if "decode" in cpu:
             d = cpu["decode"]
             panels.append((f"CPU decode, batch {d['batch']} (ms/step)",
-                           {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"]}))
+                           {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"]}, 1))
     if gpu_p.exists():
         gpu = json.loads(gpu_p.read_text())
         if "few_shot" in gpu:
             f = gpu["few_shot"]
-            panels.append(("H200 few-shot, 7B (programs/s)", {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]}))
+            panels.append(("H200 few-shot, 7B (programs/s)",
+                           {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]}, 1))
         for d in gpu.get("decode", []):
             panels.append((f"H200 decode, 7B, batch {d['batch']} (ms/step)",
                            {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"],
-                            "weight-read floor": d["floor_ms_per_step"]}))
+                            "weight-read floor": d["floor_ms_per_step"]}, 2))
     return panels
 
 
@@ -57,9 +60,9 @@ def summary(results_dir: Path) -> Path | None:
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (title, vals) in zip(axes[0], panels):
+    for ax, (title, vals, digits) in zip(axes[0], panels):
         bars = _bars(ax, list(vals), list(vals.values()), color=[COLORS[k] for k in vals])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8, label_type="center")
+        ax.bar_label(bars, fmt=f"%.{digits}f", fontsize=8, label_type="center")
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle("medians; whiskers: min-max of the runs", fontsize=8)

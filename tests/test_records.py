@@ -126,7 +126,7 @@ def test_plots_are_drawn_from_the_json(tmp_path):
 
     for p in report.RESULTS_DIR.glob("*.json"):
         shutil.copy(p, tmp_path)
-    panels = dict(plot.summary_panels(tmp_path))
+    panels = {title: vals for title, vals, _ in plot.summary_panels(tmp_path)}
     cpu = json.loads((tmp_path / "cpu.json").read_text())
     assert panels["CPU few-shot (programs/s)"]["lmc"] == cpu["few_shot"]["lmc_programs_s"]
     plot.main(tmp_path)
