@@ -1,8 +1,9 @@
 """What every benchmark writes next to its numbers: the spread of repeated runs and how the runs were made.
 
 A figure measured over several runs is stored as `spread(values)`: {"median", "min", "max", "runs"}. report.py
-renders it as "median (min-max, n runs)". `provenance()` records the command line and the machine's load, since
-the machines these run on are shared and a number without its conditions cannot be judged.
+renders it as "median (min-max, n runs)". A count expected to repeat exactly is stored as `exact(values)`: the
+plain value when all runs agree, a spread when they did not. `provenance()` records the command line and the
+machine's load, since the machines these run on are shared and a number without its conditions cannot be judged.
 """
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def spread(values: list[float]) -> dict:
     if not values:
         raise ValueError("spread of no runs")
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def median(v):
+    """The median of a spread, or the value of an exact figure."""
+    return v["median"] if isinstance(v, dict) else v
+
+
+def exact(values: list):
+    """A count that should be the same in every run (tokens, forward passes, valid outputs at temperature 0): the
+    value itself when every run gave it, else its spread, so that a run that differed shows instead of hiding."""
+    if not values:
+        raise ValueError("exact value of no runs")
+    return values[0] if all(v == values[0] for v in values) else spread(values)
 
 
 def provenance(script: str, note: str = "") -> dict:

@@ -95,6 +95,65 @@ def test_a_missing_results_file_omits_its_section(tmp_path):
     text = report.render_results(tmp_path)
     assert "## Frontend (interpreter) overhead" in text and "## CPU" not in text and "## Compiler" not in text
     assert "Command: `python benchmarks/frontend_overhead.py" in text
+    assert "Compiled / interpreted" not in report.render_readme_block(tmp_path)  # README's line goes with it
+
+
+def test_every_results_file_but_compiler_json_is_optional(tmp_path):
+    """compiler.json is rewritten elsewhere: the report still renders without it (and without any other file)."""
+    for p in report.RESULTS_DIR.glob("*.json"):
+        if p.name != "compiler.json":
+            shutil.copy(p, tmp_path)
+    text = report.render_results(tmp_path)
+    assert "## Compiler" not in text and "## Jump-forward" in text and "## API speculative" in text
+    assert report.render_results(tmp_path / "absent") == report.HEADER
+
+
+def test_a_file_its_renderer_cannot_read_is_named(tmp_path):
+    (tmp_path / "speculation.json").write_text(json.dumps({"provenance": {"command": "python x.py"}}))
+    with pytest.raises(ValueError, match="results/speculation.json"):
+        report.render_results(tmp_path)
+
+
+def test_exact_counts_show_a_run_that_differed():
+    import record
+
+    assert record.exact([34.5, 34.5, 34.5]) == 34.5 and report.count(34.5, 1) == "34.5"
+    differed = record.exact([130, 134, 130])
+    assert differed == {"median": 130, "min": 130, "max": 134, "runs": [130, 134, 130]}
+    assert report.count(differed) == "130 (130-134, 3 runs)"
+    assert report.pct(0.75, 0, exact=True) == "75%" and report.pct(0.75, 0) == "75% (1 run)"
+
+
+TIMED = {"seconds", "chars_per_s", "tok_per_s", "requests_per_s", "throughput_ratio", "token_throughput_ratio",
+         "request_throughput_ratio", "reuse_ms", "per_request_ms", "reuse_s", "per_request_s", "ratio", "wall_s",
+         "wall_ratio"}
+ONCE = {"validity", "robustness"}  # sections the scripts run once, and say so
+
+
+def _timed_figures(v, path=""):
+    """(path, value) of every timed figure in a results file, outside the sections run once."""
+    if isinstance(v, dict) and not report.is_spread(v):
+        for k, x in v.items():
+            if k in TIMED:
+                yield f"{path}/{k}", x
+            elif k not in ONCE:
+                yield from _timed_figures(x, f"{path}/{k}")
+
+
+@pytest.mark.parametrize("name, script", [("jump_forward_cpu.json", "jump_forward_bench.py"),
+                                          ("speculation.json", "speculation_bench.py")])
+def test_recorded_times_are_medians_of_at_least_3_runs_with_their_command(name, script):
+    """No best-of-two: every time in the file is a spread of its --repeat (>= 3) alternated runs, and the file
+    says how it was made (command, machine load)."""
+    r = json.loads((report.RESULTS_DIR / name).read_text())
+    prov = r["provenance"]
+    assert prov["command"].startswith(f"python benchmarks/{script}")
+    assert {"load_avg_1m_start", "load_avg_1m_end", "cpus"} <= set(prov)
+    figures = list(_timed_figures(r))
+    assert len(figures) >= 6 and r["repeat"] >= 3
+    for path, f in figures:
+        assert report.is_spread(f) and len(f["runs"]) == r["repeat"], (path, f)
+        assert f["min"] <= f["median"] <= f["max"], path
 
 
 def test_a_registered_section_renders_each_matching_file(tmp_path, monkeypatch):
