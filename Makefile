@@ -36,8 +36,17 @@ graphviz:
 test: setup graphviz
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x --durations=15 tests
 
+# Every CPU benchmark (each rewrites its benchmarks/results/*.json; each takes minutes on 2 cores, more when the
+# machine is shared: the sizes are the recorded ones), then RESULTS.md, README's numbers and the plots from the
+# JSON. gpu_check.py needs the GPU machine and is run there by hand (its command is in RESULTS.md).
+BENCH_ENV := HF_HUB_OFFLINE=1
 bench: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_cpu.py
+	$(BENCH_ENV) $(BIN)/python benchmarks/cpu_bench.py
+	$(BENCH_ENV) $(BIN)/python benchmarks/frontend_overhead.py
+	$(BENCH_ENV) $(BIN)/python benchmarks/compiler_bench.py --n 32 --repeat 3
+	$(BENCH_ENV) $(BIN)/python benchmarks/jump_forward_bench.py --repeat 3 --sequential 1 --batch 4 --validity --samples 2
+	$(BENCH_ENV) $(BIN)/python benchmarks/speculation_bench.py --programs 10 --repeat 3 --robustness
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -5,8 +5,11 @@
 2. decode tok/s at batch 1 and 32 against transformers and the weight-read floor;
 3. the few-shot workload: 128 programs, a 1,200-token shared prefix, 60 unique tokens, 8 generated.
 
-    python benchmarks/gpu_check.py --out results.json                 # on the H200
+    python benchmarks/gpu_check.py --repeat 5 --out results.json      # on the H200
     python benchmarks/gpu_check.py --smoke                            # CPU, tiny shape: checks the script
+
+With --repeat N every speed figure is measured N times, lmc then transformers within each repetition, and stored
+as record.spread (median, min, max, runs).
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ import sys
 import time
 
 import torch
+import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lmc.runtime import Engine, SamplingParams  # noqa: E402
 from lmc.runtime.core import Req  # noqa: E402
 from lmc.runtime.model.loader import resolve  # noqa: E402
 from lmc.runtime.runner import ScheduledBatch  # noqa: E402
+
+from record import finish, provenance, spread  # noqa: E402
 
 COPY_BW = 4.21e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN 8)
 
@@ -124,7 +130,7 @@ def time_call(fn, dev):
 
 
 @torch.inference_mode()
-def decode_speed(hf, eng, cfg, vocab, dev, batch, prompt_len, new):
+def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new):
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=g)
     ids = prompts.tolist()
@@ -139,45 +145,61 @@ def decode_speed(hf, eng, cfg, vocab, dev, batch, prompt_len, new):
         return time_call(lambda: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                              min_new_tokens=n, do_sample=False, pad_token_id=0), dev)
 
-    lmc(2)  # warm-up (kernel compilation)
-    lmc_step = (lmc(new + 1) - lmc(1)) / new
-    hf_gen(2)
-    hf_step = (hf_gen(new + 1) - hf_gen(1)) / new
+    # Warm-up at the timed length: a 2-token warm-up left transformers' first timed run 2-3x slower than the rest
+    # (H200, 2026-12-01), which a single run then quoted as its speed.
+    lmc(new + 1)
+    hf_gen(new + 1)
+    lmc_step, hf_step = [], []
+    for _ in range(repeat):  # per-step time = (time for new+1 tokens - time for 1) / new: prefill cancels out
+        lmc_step.append((lmc(new + 1) - lmc(1)) / new)
+        hf_step.append((hf_gen(new + 1) - hf_gen(1)) / new)
     p = sum(x.numel() for x in hf.parameters()) - cfg.vocab_size * cfg.hidden_size  # all but the embedding
     kv_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     floor = (p * 2 + batch * (prompt_len + new // 2) * kv_tok) / COPY_BW
-    return {"batch": batch, "lmc_ms_per_step": lmc_step * 1e3, "hf_ms_per_step": hf_step * 1e3,
-            "floor_ms_per_step": floor * 1e3, "lmc_tok_s": batch / lmc_step, "hf_tok_s": batch / hf_step,
-            "lmc_vs_hf": hf_step / lmc_step, "lmc_over_floor": lmc_step / floor}
+    return {"batch": batch, "prompt_tokens": prompt_len, "generated": new,
+            "lmc_ms_per_step": spread([t * 1e3 for t in lmc_step]), "hf_ms_per_step": spread([t * 1e3 for t in hf_step]),
+            "floor_ms_per_step": floor * 1e3, "lmc_tok_s": spread([batch / t for t in lmc_step]),
+            "hf_tok_s": spread([batch / t for t in hf_step]),
+            "lmc_vs_hf": spread([h / t for h, t in zip(hf_step, lmc_step)]),
+            "lmc_over_floor": spread([t / floor for t in lmc_step])}
 
 
 @torch.inference_mode()
-def few_shot(hf, eng, vocab, dev, programs, prefix_len, unique, new, hf_chunk):
+def few_shot(hf, eng, vocab, dev, repeat, programs, prefix_len, unique, new, hf_chunk):
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, vocab, (prefix_len,), generator=g).tolist()
     progs = [prefix + torch.randint(3, vocab, (unique,), generator=g).tolist() for _ in range(programs)]
     params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
     eng.generate(input_ids=progs[:4], sampling_params=params)  # warm-up
-    eng.flush_cache()
-    before = dict(eng.stats())
-    out = []
-    t = time_call(lambda: out.extend(eng.generate(input_ids=progs, sampling_params=params)), dev)
-    after = eng.stats()
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    first = len(progs[0])
+
+    def hf_chunk_gen(i):
+        x = torch.tensor(progs[i:i + hf_chunk], device=dev)
+        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=0)
 
     def hf_all():
         for i in range(0, programs, hf_chunk):
-            x = torch.tensor(progs[i:i + hf_chunk], device=dev)
-            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=0)
+            hf_chunk_gen(i)
 
-    hf_t = time_call(hf_all, dev)
-    return {"programs": programs, "lmc_programs_s": programs / t, "hf_programs_s": programs / hf_t,
-            "lmc_vs_hf": hf_t / t, "cached_ratio_after_first": cached / max(1, prompt - first),
-            "prefill_forwards": after["prefill_forwards"] - before["prefill_forwards"],
-            "all_complete": all(len(r["output_ids"]) == new for r in out)}
+    hf_chunk_gen(0)  # warm-up
+    lmc_t, hf_t, cached_ratio, prefill_forwards, complete = [], [], [], [], True
+    for _ in range(repeat):
+        eng.flush_cache()
+        before = dict(eng.stats())
+        out = []
+        lmc_t.append(time_call(lambda: out.extend(eng.generate(input_ids=progs, sampling_params=params)), dev))
+        after = eng.stats()
+        prompt = after["prompt_tokens"] - before["prompt_tokens"]
+        cached = after["cached_tokens"] - before["cached_tokens"]
+        cached_ratio.append(cached / max(1, prompt - len(progs[0])))
+        prefill_forwards.append(after["prefill_forwards"] - before["prefill_forwards"])
+        complete &= all(len(r["output_ids"]) == new for r in out)
+        hf_t.append(time_call(hf_all, dev))
+    return {"programs": programs, "prefix_tokens": prefix_len, "unique_tokens": unique, "generated": new,
+            "hf_batch": hf_chunk, "lmc_programs_s": spread([programs / t for t in lmc_t]),
+            "hf_programs_s": spread([programs / t for t in hf_t]),
+            "lmc_vs_hf": spread([h / t for h, t in zip(hf_t, lmc_t)]), "cached_ratio_after_first": spread(cached_ratio),
+            "prefill_forwards": max(prefill_forwards), "all_complete": complete}
 
 
 def main():
@@ -190,7 +212,12 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0: no CUDA graphs")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of every speed figure (default 3)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    prov = provenance("benchmarks/gpu_check.py",
+                      "one lent GPU machine, nothing else running on the GPU; host load recorded as load_avg_1m_*")
     if args.smoke:
         dev, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
         sizes = dict(decode=[(1, 16, 4), (4, 16, 4)], fs=(16, 120, 12, 4, 8), kv=8192)
@@ -200,22 +227,32 @@ def main():
     t0 = time.perf_counter()
     cfg, hf, eng = build(shape, dev, dtype, sizes["kv"], args.attention, args.cuda_graph_max_bs)
     res = {"shape": shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "dtype": str(dtype), "torch": torch.__version__, "build_s": time.perf_counter() - t0,
-           "cuda_graphs": eng.runner.graphs is not None}
+           "dtype": str(dtype), "torch": torch.__version__, "transformers": transformers.__version__, "build_s": time.perf_counter() - t0,
+           "cuda_graphs": eng.runner.graphs is not None, "repeat": args.repeat}
     res["logits_rel_err"] = check_logits(hf, eng, cfg.vocab_size, dev)
     print("logits", json.dumps(res["logits_rel_err"]), flush=True)
     if args.only_logits:
         sizes["decode"], sizes["fs"] = [], None
-    res["decode"] = [decode_speed(hf, eng, cfg, cfg.vocab_size, dev, *d) for d in sizes["decode"]]
+    res["decode"] = [decode_speed(hf, eng, cfg, cfg.vocab_size, dev, args.repeat, *d) for d in sizes["decode"]]
     for d in res["decode"]:
         print("decode", json.dumps(d), flush=True)
     if sizes["fs"]:
-        res["few_shot"] = few_shot(hf, eng, cfg.vocab_size, dev, *sizes["fs"])
+        res["few_shot"] = few_shot(hf, eng, cfg.vocab_size, dev, args.repeat, *sizes["fs"])
         print("few_shot", json.dumps(res["few_shot"]), flush=True)
     eng.shutdown()
+    res["provenance"] = finish(prov)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
+    for d in res["decode"]:
+        print(f"decode batch {d['batch']}: lmc {d['lmc_ms_per_step']['median']:.2f} ms/step "
+              f"(min {d['lmc_ms_per_step']['min']:.2f}, max {d['lmc_ms_per_step']['max']:.2f}), transformers "
+              f"{d['hf_ms_per_step']['median']:.2f}, lmc/hf {d['lmc_vs_hf']['median']:.2f}x, floor "
+              f"{d['floor_ms_per_step']:.2f} ms")
+    if "few_shot" in res:
+        f = res["few_shot"]
+        print(f"few-shot: lmc {f['lmc_programs_s']['median']:.1f} programs/s (min {f['lmc_programs_s']['min']:.1f}, "
+              f"max {f['lmc_programs_s']['max']:.1f}), transformers {f['hf_programs_s']['median']:.1f}")
 
 
 if __name__ == "__main__":

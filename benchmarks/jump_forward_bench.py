@@ -2,21 +2,27 @@
 jump-forward on and off, in one run.
 
 - character:  SGLang's json_jump_forward workload: a Harry Potter character profile through a regex with long
-              constant spans (16 characters, greedy). Decode throughput (output characters/s and tokens/s, prompts
-              already cached), forward passes per request and engine forwards; 4 of them one at a time, and all 16
-              in one batch. Jump-forward's output is canonically tokenized, i.e. fewer tokens for the same text
-              than a model spelling token by token, so the headline ratio is on characters/s.
-- city:       SGLang's json_decode_regex workload: 5 fields of a city extracted from a long document (8 documents
-              of ~590 tokens, greedy), same measures: 4 one at a time, and all 8 in one batch.
+              constant spans (greedy). Decode throughput (output characters/s and tokens/s, prompts already
+              cached), forward passes per request and engine forwards; --sequential of them (default 4) one at a
+              time, and --batch (default 16) in one batch. Jump-forward's output is canonically tokenized, i.e.
+              fewer tokens for the same text than a model spelling token by token, so the headline ratio is on
+              characters/s.
+- city:       SGLang's json_decode_regex workload: 5 fields of a city extracted from a long document (~590 tokens,
+              greedy), same measures: --sequential one at a time, and a batch of min(--batch, 8) (8 documents).
 - reuse:      grammar reuse across a batch vs compiling per request: the time to admit a batch of 32 requests
               sharing one grammar (compile + matcher per request) with the compiled-grammar cache and without,
-              for the character regex and a nested JSON schema; and a batch of 16 character requests end to end.
-- validity:   (--validity) the corpus of tests/constrained_corpus.py, 20 samples per grammar at temperature 1.0,
-              jump-forward on and off: the share that finishes, and that every finished sample matches.
+              for the character regex and a nested JSON schema; and a batch of --batch character requests end to
+              end.
+- validity:   (--validity) the corpus of tests/constrained_corpus.py, --samples per grammar (default 20) at
+              temperature 1.0, jump-forward on and off: the share that finishes, and that every finished sample
+              matches. One run (its figures are counts; its times are single runs).
 
-Each measured configuration runs on, off, on, off (alternating, on a shared CPU) and keeps the best time.
+Each timed comparison runs --repeat times (default 3), on then off (or reused then per request) within each
+repetition, so both sides see the same load on a shared CPU; times are stored as record.spread (median, min, max,
+runs) and ratios per repetition; counts that should repeat exactly as record.exact.
 
-    python benchmarks/jump_forward_bench.py [character city reuse] [--validity] [--out FILE]
+    python benchmarks/jump_forward_bench.py [character city reuse] [--repeat 3] [--sequential 4] [--batch 16]
+        [--validity [--samples 20]] [--out FILE]
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lmc.runtime import Engine  # noqa: E402
 from lmc.runtime.core import SamplingParams  # noqa: E402
+
+from record import SHARED_MACHINE_NOTE, exact, finish, median, provenance, spread  # noqa: E402
 
 CHARACTER_REGEX = (r'\{"name": "[\w ]{1,20}", "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)", '
                    r'"blood status": "(Pure-blood|Half-blood|Muggle-born)", "occupation": "(student|teacher|auror|'
@@ -131,47 +139,55 @@ def run_mode(eng: Engine, prompts, params, jf: bool, concurrency: int) -> dict:
             "texts": [o["text"] for o in outs]}
 
 
-def compare(eng: Engine, prompts, params, concurrency: int, regex: str, repeats: int = 2) -> dict:
-    best: dict = {}
-    for _ in range(repeats):
-        for jf in (True, False):
+TIMED = ("seconds", "tok_per_s", "chars_per_s", "requests_per_s", "jump_seconds")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One configuration's repetitions: timed figures as a spread, counts as exact (greedy: they repeat)."""
+    return {k: (spread if k in TIMED else exact)([r[k] for r in runs]) for k in runs[0]}
+
+
+def compare(eng: Engine, prompts, params, concurrency: int, regex: str, repeat: int) -> dict:
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    examples: dict[str, str] = {}
+    for _ in range(repeat):
+        for jf in (True, False):  # on then off within each repetition
             r = run_mode(eng, prompts, params, jf, concurrency)
-            key = "on" if jf else "off"
-            if key not in best or r["seconds"] < best[key]["seconds"]:
-                best[key] = r
-    for key in ("on", "off"):
-        texts = best[key].pop("texts")
-        best[key]["valid"] = sum(re.fullmatch(regex, t) is not None for t in texts)
-        best[key]["example"] = texts[0]
-    on, off = best["on"], best["off"]
+            texts = r.pop("texts")
+            r["valid"] = sum(re.fullmatch(regex, t) is not None for t in texts)
+            runs["on" if jf else "off"].append(r)
+            examples.setdefault("on" if jf else "off", texts[0])
+    out: dict = {key: {**summarize(runs[key]), "example": examples[key]} for key in ("on", "off")}
+    pairs = list(zip(runs["on"], runs["off"]))
     # Jump-forward emits the canonical (longest-match) tokens, so the same text is fewer tokens than the model
     # spells when it samples every token: compare output text per second; tokens/s is kept for reference.
-    best["throughput_ratio"] = on["chars_per_s"] / off["chars_per_s"]
-    best["token_throughput_ratio"] = on["tok_per_s"] / off["tok_per_s"]
-    best["request_throughput_ratio"] = on["requests_per_s"] / off["requests_per_s"]
-    best["forward_pass_reduction"] = 1 - on["forward_passes_per_request"] / off["forward_passes_per_request"]
-    best["engine_forward_reduction"] = 1 - on["engine_forwards"] / off["engine_forwards"]
-    best["concurrency"] = concurrency
-    return best
-
-
-def character(eng: Engine) -> dict:
-    prompts = [character_prompt(n) for n in NAMES]
-    params = {"max_new_tokens": 256, "temperature": 0, "regex": CHARACTER_REGEX}
-    return {"concurrency_1": compare(eng, prompts[:4], params, 1, CHARACTER_REGEX),  # one at a time: 4 of them
-            "concurrency_16": compare(eng, prompts, params, 16, CHARACTER_REGEX)}
-
-
-def city(eng: Engine) -> dict:
-    prompts = [city_prompt(city_document(*c)) for c in CITIES]
-    params = {"max_new_tokens": 256, "temperature": 0, "regex": CITY_REGEX}
-    out = {"prompt_tokens": sum(len(eng.tokenizer.encode(p)) for p in prompts) / len(prompts)}
-    out["concurrency_1"] = compare(eng, prompts[:4], params, 1, CITY_REGEX)
-    out["concurrency_8"] = compare(eng, prompts, params, 8, CITY_REGEX)
+    out["throughput_ratio"] = spread([on["chars_per_s"] / off["chars_per_s"] for on, off in pairs])
+    out["token_throughput_ratio"] = spread([on["tok_per_s"] / off["tok_per_s"] for on, off in pairs])
+    out["request_throughput_ratio"] = spread([on["requests_per_s"] / off["requests_per_s"] for on, off in pairs])
+    out["forward_pass_reduction"] = exact([1 - on["forward_passes_per_request"] / off["forward_passes_per_request"]
+                                           for on, off in pairs])
+    out["engine_forward_reduction"] = exact([1 - on["engine_forwards"] / off["engine_forwards"] for on, off in pairs])
+    out["concurrency"] = concurrency
     return out
 
 
-def reuse(eng: Engine) -> dict:
+def character(eng: Engine, args) -> dict:
+    prompts = [character_prompt(n) for n in NAMES][:args.batch]
+    params = {"max_new_tokens": 256, "temperature": 0, "regex": CHARACTER_REGEX}
+    return {"concurrency_1": compare(eng, prompts[:args.sequential], params, 1, CHARACTER_REGEX, args.repeat),
+            f"concurrency_{len(prompts)}": compare(eng, prompts, params, len(prompts), CHARACTER_REGEX, args.repeat)}
+
+
+def city(eng: Engine, args) -> dict:
+    prompts = [city_prompt(city_document(*c)) for c in CITIES][:args.batch]
+    params = {"max_new_tokens": 256, "temperature": 0, "regex": CITY_REGEX}
+    out = {"prompt_tokens": sum(len(eng.tokenizer.encode(p)) for p in prompts) / len(prompts)}
+    out["concurrency_1"] = compare(eng, prompts[:args.sequential], params, 1, CITY_REGEX, args.repeat)
+    out[f"concurrency_{len(prompts)}"] = compare(eng, prompts, params, len(prompts), CITY_REGEX, args.repeat)
+    return out
+
+
+def reuse(eng: Engine, args) -> dict:
     cache = eng.grammars
     cache.compile("regex", "a")  # build the tokenizer info / compiler outside the timings
     compiler = cache._get_compiler()
@@ -179,10 +195,9 @@ def reuse(eng: Engine) -> dict:
     for label, params in (("character_regex", {"regex": CHARACTER_REGEX}), ("nested_json_schema",
                                                                             {"json_schema": SCHEMA})):
         sp = SamplingParams(**params)
-        timings = {}
-        for mode in ("reuse", "per_request"):
-            best = float("inf")
-            for _ in range(3):
+        timings: dict[str, list[float]] = {"reuse": [], "per_request": []}
+        for _ in range(args.repeat):
+            for mode in ("reuse", "per_request"):  # alternating within each repetition
                 cache.compiled.clear()
                 compiler.clear_cache()
                 t0 = time.perf_counter()
@@ -191,12 +206,12 @@ def reuse(eng: Engine) -> dict:
                         cache.compiled.clear()
                         compiler.clear_cache()
                     cache.matcher(sp)
-                best = min(best, time.perf_counter() - t0)
-            timings[mode] = best
-        out[label] = {"batch": 32, "reuse_ms": timings["reuse"] * 1e3, "per_request_ms": timings["per_request"] * 1e3,
-                      "ratio": timings["per_request"] / timings["reuse"]}
-    # End to end: 16 character requests in one batch, grammar cached vs compiled in each request's admission.
-    prompts = [character_prompt(n) for n in NAMES]
+                timings[mode].append(time.perf_counter() - t0)
+        out[label] = {"batch": 32, "reuse_ms": spread([t * 1e3 for t in timings["reuse"]]),
+                      "per_request_ms": spread([t * 1e3 for t in timings["per_request"]]),
+                      "ratio": spread([p / r for r, p in zip(timings["reuse"], timings["per_request"])])}
+    # End to end: a batch of character requests, grammar cached vs compiled in each request's admission.
+    prompts = [character_prompt(n) for n in NAMES][:args.batch]
     params = {"max_new_tokens": 256, "temperature": 0, "regex": CHARACTER_REGEX}
     eng.scheduler.enable_jump_forward = True
     orig = cache.compile
@@ -206,19 +221,20 @@ def reuse(eng: Engine) -> dict:
         compiler.clear_cache()
         return orig(kind, text)
 
-    e2e = {}
-    for mode in ("reuse", "per_request") * 3:
+    e2e: dict[str, list[float]] = {"reuse": [], "per_request": []}
+    for mode in ("reuse", "per_request") * args.repeat:
         cache.compile = per_request if mode == "per_request" else orig
         try:
             eng.flush_cache()
             eng.generate(prompts, {"max_new_tokens": 0})
             t0 = time.perf_counter()
             eng.generate(prompts, params)
-            e2e[mode] = min(e2e.get(mode, float("inf")), time.perf_counter() - t0)
+            e2e[mode].append(time.perf_counter() - t0)
         finally:
             cache.compile = orig
-    out["end_to_end_16_character_requests"] = {"reuse_s": e2e["reuse"], "per_request_s": e2e["per_request"],
-                                               "ratio": e2e["per_request"] / e2e["reuse"]}
+    out[f"end_to_end_{len(prompts)}_character_requests"] = {
+        "reuse_s": spread(e2e["reuse"]), "per_request_s": spread(e2e["per_request"]),
+        "ratio": spread([p / r for r, p in zip(e2e["reuse"], e2e["per_request"])])}
     return out
 
 
@@ -265,20 +281,34 @@ def validity(eng: Engine, samples: int = 20) -> dict:
     return out
 
 
+BENCHES = {"character": character, "city": city, "reuse": reuse}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("only", nargs="*", default=["character", "city", "reuse"])
-    ap.add_argument("--validity", action="store_true", help="also run the 20-samples-per-grammar corpus sweep")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("only", nargs="*", default=list(BENCHES), help=f"benchmarks to run (default: all of "
+                                                                   f"{list(BENCHES)})")
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions of each timed comparison (default 3)")
+    ap.add_argument("--sequential", type=int, default=4, help="requests run one at a time (default 4)")
+    ap.add_argument("--batch", type=int, default=16, help="requests in one batch (default 16; city: at most 8)")
+    ap.add_argument("--validity", action="store_true", help="also run the corpus sweep (--samples per grammar)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "jump_forward_cpu.json"))
     args = ap.parse_args()
+    unknown = set(args.only) - set(BENCHES)
+    if unknown:
+        ap.error(f"unknown benchmark(s) {sorted(unknown)}")
+    for name in ("repeat", "sequential", "batch", "samples"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    prov = provenance("benchmarks/jump_forward_bench.py", SHARED_MACHINE_NOTE)
     eng = Engine()  # timed runs without the per-step invariant checks; the validity sweep turns them on
     results: dict = {"model": eng.model_name, "device": "cpu", "threads": torch.get_num_threads(),
-                     "command": "python benchmarks/jump_forward_bench.py " + " ".join(sys.argv[1:])}
+                     "repeat": args.repeat, "provenance": prov}
     for name in args.only:
         t0 = time.perf_counter()
-        results[name] = {"character": character, "city": city, "reuse": reuse}[name](eng)
+        results[name] = BENCHES[name](eng, args)
         print(f"[{name}: {time.perf_counter() - t0:.0f}s]", flush=True)
     if args.validity:
         # Slot accounting after every step, and after every jump: output ids == canonical encoding of the text.
@@ -287,43 +317,43 @@ def main() -> None:
         results["validity"] = validity(eng, args.samples)
         print(f"[validity: {time.perf_counter() - t0:.0f}s]", flush=True)
     eng.shutdown()
-    report(results)
+    finish(prov)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    report(results)
     print(f"wrote {args.out}")
 
 
 def report(res: dict) -> None:
+    """Medians on the console (the JSON has the spreads)."""
     for name in ("character", "city"):
         if name not in res:
             continue
-        print(f"\n{name}: jump-forward on vs off (same engine, prompts cached, greedy)")
+        print(f"\n{name}: jump-forward on vs off (same engine, prompts cached, greedy; medians of {res['repeat']})")
         print(f"{'concurrency':>11} {'mode':>4} {'chars/s':>8} {'tok/s':>8} {'passes/req':>10} {'engine fwd':>10} "
               f"{'jf tok/req':>10} {'valid':>6}")
         for key, c in res[name].items():
             if not key.startswith("concurrency_"):
                 continue
             for mode in ("on", "off"):
-                m = c[mode]
+                m = {k: median(v) for k, v in c[mode].items()}
                 print(f"{c['concurrency']:>11} {mode:>4} {m['chars_per_s']:>8.1f} {m['tok_per_s']:>8.1f} "
                       f"{m['forward_passes_per_request']:>10.1f} {m['engine_forwards']:>10} "
-                      f"{m['jump_forward_tokens_per_request']:>10.1f} "
-                      f"{m['valid']:>3}/{m['requests']}")
-            print(f"{'':>11} throughput x{c['throughput_ratio']:.2f} (chars/s; tokens/s "
-                  f"x{c['token_throughput_ratio']:.2f}), forward passes per request "
-                  f"-{100 * c['forward_pass_reduction']:.0f}%, "
-                  f"engine forwards -{100 * c['engine_forward_reduction']:.0f}%")
+                      f"{m['jump_forward_tokens_per_request']:>10.1f} {m['valid']:>3}/{m['requests']}")
+            print(f"{'':>11} throughput x{median(c['throughput_ratio']):.2f} (chars/s; tokens/s "
+                  f"x{median(c['token_throughput_ratio']):.2f}), forward passes per request "
+                  f"-{100 * median(c['forward_pass_reduction']):.0f}%, "
+                  f"engine forwards -{100 * median(c['engine_forward_reduction']):.0f}%")
     if "reuse" in res:
-        print("\ngrammar reuse across a batch vs compiling per request")
+        print("\ngrammar reuse across a batch vs compiling per request (medians)")
         for label, r in res["reuse"].items():
-            if "reuse_ms" in r:
-                print(f"  {label:>22}: batch of {r['batch']}: {r['reuse_ms']:.1f} ms vs {r['per_request_ms']:.1f} ms "
-                      f"(x{r['ratio']:.1f})")
-            else:
-                print(f"  {label}: {r['reuse_s']:.2f} s vs {r['per_request_s']:.2f} s (x{r['ratio']:.2f})")
+            m = {k: median(v) for k, v in r.items()}
+            unit = "ms" if "reuse_ms" in m else "s"
+            print(f"  {label:>22}: {m[f'reuse_{unit}']:.2f} {unit} vs {m[f'per_request_{unit}']:.2f} {unit} "
+                  f"(x{m['ratio']:.2f})")
     if "validity" in res:
-        print("\nvalidity corpus (temperature 1.0)")
+        print("\nvalidity corpus (temperature 1.0, one run)")
         for key, v in res["validity"].items():
             if isinstance(v, dict):
                 print(f"  {key:>16}: {v['finished']}/{v['samples']} finished ({100 * v['finished_share']:.1f}%), "

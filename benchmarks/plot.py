@@ -1,61 +1,113 @@
-"""Bar charts of the recorded results (benchmarks/results/*.json) -> benchmarks/results/summary.png and
-compiler_ablation.png."""
+"""Bar charts of the recorded results (benchmarks/results/*.json) -> results/summary.png and
+compiler_ablation.png. Bars are medians, whiskers the min-max of the runs; the same figures as RESULTS.md's tables
+(report.py calls this after writing them)."""
+from __future__ import annotations
+
 import json
-import os
+import sys
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-HERE = os.path.join(os.path.dirname(__file__), "results")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RESULTS_DIR, is_spread  # noqa: E402
+
+COLORS = {"lmc": "#2a7ab9", "transformers": "#b0b0b0", "weight-read floor": "#6bbf59"}
+PNG_METADATA = {"Software": None}  # no version stamp: the same JSON gives the same file
 
 
-def main():
-    cpu = json.load(open(os.path.join(HERE, "cpu.json")))
-    gpu = json.load(open(os.path.join(HERE, "h200_bf16.json")))
-    panels = [
-        ("CPU few-shot (programs/s)", {"lmc": cpu["few_shot"]["lmc_programs_s"],
-                                       "transformers": cpu["few_shot"]["hf_programs_s"]}),
-        ("CPU decode, batch 16 (tok/s)", {"lmc": cpu["decode"]["lmc_tok_s"], "transformers": cpu["decode"]["hf_tok_s"]}),
-        ("H200 few-shot, 7B (programs/s)", {"lmc": gpu["few_shot"]["lmc_programs_s"],
-                                            "transformers": gpu["few_shot"]["hf_programs_s"]}),
-    ] + [(f"H200 decode, 7B, batch {d['batch']} (ms/step)",
-          {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"], "weight-read floor": d["floor_ms_per_step"]})
-         for d in gpu["decode"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
-    colors = {"lmc": "#2a7ab9", "transformers": "#b0b0b0", "weight-read floor": "#6bbf59"}
-    for ax, (title, vals) in zip(axes, panels):
-        bars = ax.bar(list(vals), list(vals.values()), color=[colors[k] for k in vals])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+def summary_panels(results_dir: Path) -> list[tuple[str, dict, int]]:
+    """(title, {label: figure}, decimals) per panel, figures as stored (a spread or a number); the decimals are
+    RESULTS.md's for the same figure, so a bar's label reads as its table cell."""
+    panels = []
+    cpu_p, gpu_p = results_dir / "cpu.json", results_dir / "h200_bf16.json"
+    if cpu_p.exists():
+        cpu = json.loads(cpu_p.read_text())
+        if "few_shot" in cpu:
+            f = cpu["few_shot"]
+            panels.append(("CPU few-shot (programs/s)", {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]},
+                           2))
+        if "decode" in cpu:
+            d = cpu["decode"]
+            panels.append((f"CPU decode, batch {d['batch']} (ms/step)",
+                           {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"]}, 1))
+    if gpu_p.exists():
+        gpu = json.loads(gpu_p.read_text())
+        if "few_shot" in gpu:
+            f = gpu["few_shot"]
+            panels.append(("H200 few-shot, 7B (programs/s)",
+                           {"lmc": f["lmc_programs_s"], "transformers": f["hf_programs_s"]}, 1))
+        for d in gpu.get("decode", []):
+            panels.append((f"H200 decode, 7B, batch {d['batch']} (ms/step)",
+                           {"lmc": d["lmc_ms_per_step"], "transformers": d["hf_ms_per_step"],
+                            "weight-read floor": d["floor_ms_per_step"]}, 2))
+    return panels
+
+
+def _bars(ax, xs, figures, width=0.8, **kw):
+    med = [f["median"] if is_spread(f) else f for f in figures]
+    lo = [m - (f["min"] if is_spread(f) else m) for m, f in zip(med, figures)]
+    hi = [(f["max"] if is_spread(f) else m) - m for m, f in zip(med, figures)]
+    bars = ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, error_kw={"linewidth": 0.8}, **kw)
+    return bars
+
+
+def summary(results_dir: Path) -> Path | None:
+    panels = summary_panels(results_dir)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (title, vals, digits) in zip(axes[0], panels):
+        bars = _bars(ax, list(vals), list(vals.values()), color=[COLORS[k] for k in vals])
+        ax.bar_label(bars, fmt=f"%.{digits}f", fontsize=8, label_type="center")
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("medians; whiskers: min-max of the runs", fontsize=8)
     fig.tight_layout()
-    out = os.path.join(HERE, "summary.png")
-    fig.savefig(out, dpi=110)
-    print(out)
-    compiler_ablation()
+    out = results_dir / "summary.png"
+    fig.savefig(out, dpi=110, metadata=PNG_METADATA)
+    plt.close(fig)
+    return out
 
 
-def compiler_ablation():
-    """programs/s of each compiler configuration relative to the interpreter, per workload (the paper's Fig. 8c)."""
-    data = json.load(open(os.path.join(HERE, "compiler.json")))
-    configs = [c for c in next(iter(data.values())) if isinstance(next(iter(data.values()))[c], dict)]
+def compiler_ablation(results_dir: Path) -> Path | None:
+    """programs/s of each compiler configuration relative to the interpreter's median, per workload (the paper's
+    Fig. 8c); whiskers: min-max of the runs over the same median."""
+    p = results_dir / "compiler.json"
+    if not p.exists():
+        return None
+    data = {w: v for w, v in json.loads(p.read_text()).items() if w != "provenance"}
+    first = next(iter(data.values()))
+    configs = [c for c in first if isinstance(first[c], dict)]
     fig, ax = plt.subplots(figsize=(11, 3.8))
     width = 0.8 / len(configs)
     for j, c in enumerate(configs):
         xs = [i + j * width for i in range(len(data))]
-        rel = [row[c]["programs_s"] / row["interpreted"]["programs_s"] for row in data.values()]
-        bars = ax.bar(xs, rel, width, label=c)
-        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+        base = [row["interpreted"]["programs_s"] for row in data.values()]
+        rel = []
+        for row, b in zip(data.values(), base):
+            runs = row[c].get("programs_s_runs") or [row[c]["programs_s"]]
+            rel.append({"median": row[c]["programs_s"] / b, "min": min(runs) / b, "max": max(runs) / b, "runs": runs})
+        bars = _bars(ax, xs, rel, width, label=c)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, label_type="center")
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(data))], list(data))
-    ax.set_ylabel("programs/s vs interpreted")
+    ax.set_ylabel("programs/s vs interpreted (medians)")
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
-    out = os.path.join(HERE, "compiler_ablation.png")
-    fig.savefig(out, dpi=110)
-    print(out)
+    out = results_dir / "compiler_ablation.png"
+    fig.savefig(out, dpi=110, metadata=PNG_METADATA)
+    plt.close(fig)
+    return out
+
+
+def main(results_dir: Path = RESULTS_DIR) -> None:
+    for out in (summary(results_dir), compiler_ablation(results_dir)):
+        if out:
+            print(out)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,15 @@ end). Without speculation that is three API calls per program, each re-sending t
 follows the template. Both runs go through `lmc.OpenAI` pointed at an lmc server on loopback, as one run_batch of
 `--programs` programs each, for a completion model (prompt text) and a chat model (messages).
 
+Each model kind runs --repeat times (default 3), normal then speculative within each repetition, the server's
+cache flushed before every run. Wall times and their ratio are stored as record.spread (median, min, max, runs);
+token and call counts as record.exact (temperature 0: the same in every run, else their spread).
+
 Robustness (`--robustness`): 200 concurrent requests (chat, completions, native, streaming), bad requests, and
 clients that hang up mid-stream; afterwards the server must still serve and hold no request-owned KV slot.
 
-    python benchmarks/speculation_bench.py [--programs 100] [--spec-tokens 32] [--base-url URL] [--robustness]
+    python benchmarks/speculation_bench.py [--programs 100] [--spec-tokens 32] [--repeat 3] [--base-url URL]
+        [--robustness]
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ from lmc.backend.openai import program_usage, total_usage  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from extraction import chat_body, completion_body  # noqa: E402  (the program under test is the example's)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from record import SHARED_MACHINE_NOTE, exact, finish, median, provenance, spread  # noqa: E402
 
 FIRST = ["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Irene", "Jonas"]
 LAST = ["Berg", "Costa", "Dumont", "Eriksen", "Fischer", "Garcia", "Horvat", "Ivanova", "Janssen", "Kowalski"]
@@ -50,34 +58,43 @@ def documents(n: int) -> list[str]:
     return docs
 
 
-def run_mode(mode: str, backend, docs: list[str], spec_tokens: int) -> dict:
+def run_once(mode: str, backend, docs: list[str], spec_tokens: int) -> dict:
+    """One repetition: the normal run, then the speculative one, each from a cold server cache."""
     body = completion_body if mode == "completion" else chat_body
     plain, spec = lmc.function(body), lmc.function(body, num_api_spec_tokens=spec_tokens)
     args = [{"doc": d} for d in docs]
     out = {}
     states = {}
     for name, prog in (("normal", plain), ("speculative", spec)):
-        backend.flush_cache()  # each run starts from a cold server cache
+        backend.flush_cache()
         t0 = time.perf_counter()
         states[name] = prog.run_batch(args, backend=backend, temperature=0, num_threads=32)
         wall = time.perf_counter() - t0
         errors = [s.error() for s in states[name] if s.error() is not None]
         u = total_usage(states[name])
-        out[name] = {**u.as_dict(), "wall_s": round(wall, 2), "errors": len(errors)}
+        out[name] = {**u.as_dict(), "wall_s": wall, "errors": len(errors)}
     pairs = list(zip(states["normal"], states["speculative"]))
-    followed = sum(1 for _, s in pairs if program_usage(s).calls == 1)
-    equal = sum(1 for p, s in pairs if p.variables() == s.variables())
-    equal_followed = sum(1 for p, s in pairs if program_usage(s).calls == 1 and p.variables() == s.variables())
-    own_doc = sum(1 for a, (_, s) in zip(docs, pairs) if s["name"].strip() and s["name"].strip() in a)
     n, sp = out["normal"], out["speculative"]
     out["summary"] = {
-        "programs": len(docs), "followed_template": followed, "values_equal": equal,
-        "values_equal_when_followed": equal_followed, "name_from_own_document": own_doc,
-        "calls_per_program": [n["calls"] / len(docs), sp["calls"] / len(docs)],
-        "prompt_token_ratio": round(sp["prompt_tokens"] / n["prompt_tokens"], 3),
-        "billed_token_ratio": round(sp["billed_tokens"] / n["billed_tokens"], 3),
-        "wall_ratio": round(sp["wall_s"] / n["wall_s"], 3)}
+        "programs": len(docs), "followed_template": sum(1 for _, s in pairs if program_usage(s).calls == 1),
+        "values_equal": sum(1 for p, s in pairs if p.variables() == s.variables()),
+        "values_equal_when_followed": sum(1 for p, s in pairs
+                                          if program_usage(s).calls == 1 and p.variables() == s.variables()),
+        "name_from_own_document": sum(1 for a, (_, s) in zip(docs, pairs)
+                                      if s["name"].strip() and s["name"].strip() in a),
+        "normal_calls_per_program": n["calls"] / len(docs), "speculative_calls_per_program": sp["calls"] / len(docs),
+        "prompt_token_ratio": sp["prompt_tokens"] / n["prompt_tokens"],
+        "billed_token_ratio": sp["billed_tokens"] / n["billed_tokens"],
+        "wall_ratio": sp["wall_s"] / n["wall_s"]}
     return out
+
+
+def run_mode(mode: str, backend, docs: list[str], spec_tokens: int, repeat: int) -> dict:
+    """--repeat repetitions of run_once: wall times as a spread, everything else exact."""
+    runs = [run_once(mode, backend, docs, spec_tokens) for _ in range(repeat)]
+    timed = {"wall_s", "wall_ratio"}
+    return {part: {k: (spread if k in timed else exact)([r[part][k] for r in runs]) for k in runs[0][part]}
+            for part in ("normal", "speculative", "summary")}
 
 
 async def robustness(url: str, api_key: str | None) -> dict:
@@ -141,12 +158,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--programs", type=int, default=100)
     ap.add_argument("--spec-tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions of each model kind (default 3)")
     ap.add_argument("--modes", default="completion,chat")
     ap.add_argument("--base-url", default=None, help="an lmc server (default: start one in-process)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--robustness", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "speculation.json"))
     args = ap.parse_args()
+    for name in ("programs", "spec_tokens", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    prov = provenance("benchmarks/speculation_bench.py", SHARED_MACHINE_NOTE)
     srv = engine = None
     url = args.base_url
     if url is None:
@@ -157,26 +179,29 @@ def main():
         srv = ServerThread(create_app(engine, api_key=args.api_key)).start()
         url = srv.url
     docs = documents(args.programs)
-    results = {"programs": args.programs, "spec_tokens": args.spec_tokens, "model": "smollm2-135m-instruct"}
+    results = {"programs": args.programs, "spec_tokens": args.spec_tokens, "repeat": args.repeat,
+               "model": "smollm2-135m-instruct", "provenance": prov}
     for mode in args.modes.split(","):
         backend = lmc.OpenAI("smollm2", base_url=url + "/v1", api_key=args.api_key,
                              is_chat_model=(mode == "chat"))
-        results[mode] = run_mode(mode, backend, docs, args.spec_tokens)
+        results[mode] = run_mode(mode, backend, docs, args.spec_tokens, args.repeat)
         backend.shutdown()
-        s, n, sp = results[mode]["summary"], results[mode]["normal"], results[mode]["speculative"]
-        print(f"\n{mode} model, {s['programs']} programs (temperature 0)")
+        s, n, sp = ({k: median(v) for k, v in results[mode][part].items()}
+                    for part in ("summary", "normal", "speculative"))
+        print(f"\n{mode} model, {s['programs']} programs (temperature 0, medians of {args.repeat})")
         print("| run | calls | prompt tokens (cached) | completion tokens | wall s |")
         print("| --- | --- | --- | --- | --- |")
         for name, r in (("normal", n), ("speculative", sp)):
             print(f"| {name} | {r['calls']} | {r['prompt_tokens']} ({r['cached_tokens']}) | "
-                  f"{r['completion_tokens']} | {r['wall_s']} |")
+                  f"{r['completion_tokens']} | {r['wall_s']:.2f} |")
         print(f"followed the template: {s['followed_template']}/{s['programs']}; values equal: "
               f"{s['values_equal']}/{s['programs']} ({s['values_equal_when_followed']} of those that followed); "
-              f"prompt-token ratio {s['prompt_token_ratio']}, billed-token ratio {s['billed_token_ratio']}, "
-              f"wall ratio {s['wall_ratio']}")
+              f"prompt-token ratio {s['prompt_token_ratio']:.3f}, billed-token ratio {s['billed_token_ratio']:.3f}, "
+              f"wall ratio {s['wall_ratio']:.3f}")
     if args.robustness:
         results["robustness"] = asyncio.run(robustness(url, args.api_key))
         print("\nrobustness:", json.dumps(results["robustness"]))
+    finish(prov)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

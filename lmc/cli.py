@@ -14,7 +14,8 @@
 printed to stderr at the end.
 
 Exit status: 0 on success, 1 when a program failed (for run-batch: when some line failed), 2 for a usage error
-(bad file, no or several programs, missing or unknown arguments, unknown backend or model).
+(bad file, no or several programs, missing or unknown arguments, unknown backend or model; for run-batch also an
+input whose lines changed since its partial output was written).
 """
 from __future__ import annotations
 
@@ -298,6 +299,48 @@ def _rewrite(out_path: Path, records: dict[int, tuple[bool, str]]) -> None:
     os.replace(tmp, out_path)
 
 
+def _sidecar(out_path: Path) -> Path:
+    """Beside the output: which input its records came from (how many lines, their sha256)."""
+    return out_path.with_name(out_path.name + ".input.json")
+
+
+def _digest(lines: list[str]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for line in lines:
+        h.update(line.encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+def _check_same_input(in_path: Path, lines: list[str], out_path: Path) -> None:
+    """Raise UsageError unless the output's records came from this input: its first `lines` lines, as recorded in
+    the sidecar, are unchanged (lines appended since are new work). Resuming on a changed input would mix the
+    outputs of two inputs under the same indices."""
+    side = _sidecar(out_path)
+    start_over = f"write to a new output file, or remove {out_path} and {side} to start over"
+    if not side.exists():
+        raise UsageError(f"{out_path} has records but no {side.name} recording which input they came from, so "
+                         f"resuming could mix two inputs; {start_over}")
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+        n, digest = int(meta["lines"]), str(meta["sha256"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"unreadable {side}: {e}; {start_over}") from None
+    if len(lines) < n or _digest(lines[:n]) != digest:
+        raise UsageError(f"input {in_path} changed since {out_path} was written (its first {n} line(s) are not "
+                         f"the ones the records came from); refusing to resume; {start_over}")
+
+
+def _write_sidecar(in_path: Path, lines: list[str], out_path: Path) -> None:
+    """Atomically, and before any record from these lines is appended: a kill leaves the old sidecar or this."""
+    side = _sidecar(out_path)
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps({"input": str(in_path), "lines": len(lines), "sha256": _digest(lines)}) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, side)
+
+
 def _run_batch(args) -> int:
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -312,9 +355,13 @@ def _run_batch(args) -> int:
     with open(in_path, encoding="utf-8") as f:
         lines = f.read().splitlines()
 
+    previous = _read_records(out_path)
+    if previous:
+        _check_same_input(in_path, lines, out_path)
     # Successful records are kept; failed ones are dropped here and retried.
-    done = {i: r for i, r in _read_records(out_path).items() if r[0]}
+    done = {i: r for i, r in previous.items() if r[0]}
     _rewrite(out_path, done)
+    _write_sidecar(in_path, lines, out_path)
     todo: list[tuple[int, dict]] = []
     invalid: list[dict] = []  # lines that fail without running
     for i, line in enumerate(lines):
@@ -346,10 +393,11 @@ def _run_batch(args) -> int:
     out = open(out_path, "a", encoding="utf-8")
     lock = threading.Lock()
     failed = 0
+    first_error: dict | None = None
     progress = tqdm(total=total, desc=prog.__name__, unit="program", file=sys.stderr, dynamic_ncols=True)
 
     def write(rec: dict) -> None:
-        nonlocal failed
+        nonlocal failed, first_error
         line = _dumps(rec)
         with lock:
             out.write(line + "\n")
@@ -357,6 +405,9 @@ def _run_batch(args) -> int:
             if "error" in rec:
                 failed += 1
                 progress.set_postfix(failed=failed, refresh=False)
+                if first_error is None:  # the rest are counted on the bar: one message, not one per line
+                    first_error = rec
+                    progress.write(f"lmc: line {rec['index']} failed: {rec['error']}", file=sys.stderr)
             progress.update()
 
     def one(i: int, arguments: dict) -> None:
@@ -397,9 +448,10 @@ def _run_batch(args) -> int:
     _rewrite(out_path, _read_records(out_path))  # in input order now that nothing is appended any more
     if api and todo:
         print(f"lmc: usage: {usage.summary()}", file=sys.stderr)
-    if failed:
-        print(f"lmc: {failed} of {total} line(s) failed; see the \"error\" records in {out_path} "
-              "(rerun the same command to retry them)", file=sys.stderr)
+    print(f"lmc: {total - failed} of {total} line(s) succeeded, {failed} failed", file=sys.stderr)
+    if first_error is not None:
+        print(f"lmc: first failure, line {first_error['index']}: {first_error['error']}; see the \"error\" records "
+              f"in {out_path} (rerun the same command to retry them)", file=sys.stderr)
         return 1
     return 0
 
@@ -515,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
                        description="Each input line is a JSON object of program arguments. One JSON line per "
                                    "program is appended to the output as it finishes: {index, variables, text} or "
                                    "{index, error}. Rerunning with the same output skips the lines already done "
-                                   "and retries the failed ones; the finished file is sorted by index.")
+                                   "and retries the failed ones (also after a kill: a line cut short is dropped); "
+                                   "the finished file is sorted by index. OUTPUT.input.json records the input's "
+                                   "lines and sha256: a rerun refuses to resume when those lines changed (lines "
+                                   "appended to the input are new work).")
     _add_program_options(b)
     b.add_argument("-i", "--input", required=True, help="input JSONL: one object of arguments per line")
     b.add_argument("-o", "--output", required=True, help="output JSONL (resumed when it exists)")

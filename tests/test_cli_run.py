@@ -3,6 +3,7 @@ model loads (fast); the five runs that load it use a small KV cache to start qui
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,18 @@ def capital(s, country, fail=False):
     s += "Q: What is the capital of Japan?\\nA: Tokyo\\nQ: What is the capital of " + country + "?\\nA:"
     s += sgl.gen("answer", max_tokens=6, stop="\\n")
     s["not_json"] = {{1, 2}}
+'''
+
+SLOW_PROGRAM = '''
+import time
+import lmc as sgl
+
+@sgl.function
+def count(s, k):
+    with open({calls!r}, "a") as f:  # one line per program run
+        f.write(str(k) + "\\n")
+    time.sleep(0.3)  # keeps the batch running long enough to be killed in the middle
+    s += "Count: " + str(k) + "," + sgl.gen("next", max_tokens=2)
 '''
 
 
@@ -110,7 +123,9 @@ def test_run_batch_records_failures_and_resumes(tmp_path):
 
     r = lmc("run-batch", prog, "-i", inp, "-o", out, "--num-threads", "2", *FAST)
     assert r.returncode == 1, r.stderr  # some lines failed; the others ran
-    assert "capital" in r.stderr and "%|" in r.stderr  # the progress bar
+    assert "capital" in r.stderr and "%|" in r.stderr and "failed=3" in r.stderr  # the progress bar counts them
+    assert "2 of 5 line(s) succeeded, 3 failed" in r.stderr
+    assert "lmc: first failure, line " in r.stderr  # and the summary names the first one
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in recs] == [0, 1, 2, 3, 4]  # one line per input line, sorted once finished
     assert "Paris" in recs[0]["variables"]["answer"] and "Rome" in recs[3]["variables"]["answer"]
@@ -130,3 +145,60 @@ def test_run_batch_records_failures_and_resumes(tmp_path):
     again = out.read_text().splitlines()
     assert len(again) == 6 and again[0] == first[0] and again[3] == first[3] and again[1:3] == first[1:3]
     assert json.loads(again[5])["index"] == 5 and "Madrid" in json.loads(again[5])["variables"]["answer"]
+
+
+def _records(out: Path) -> list[dict]:
+    text = out.read_text()
+    assert text == "" or text.endswith("\n")  # no torn last line
+    return [json.loads(x) for x in text.splitlines()]
+
+
+def test_run_batch_killed_mid_batch_resumes_without_loss_or_duplicates(tmp_path):
+    calls, prog = tmp_path / "calls.txt", tmp_path / "slow.py"
+    prog.write_text(SLOW_PROGRAM.format(calls=str(calls)))
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n = 30
+    inp.write_text("".join(json.dumps({"k": k}) + "\n" for k in range(n)))
+    args = ["run-batch", prog, "-i", inp, "-o", out, "--num-threads", "2", *FAST]
+
+    proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and out.read_text().count("\n") >= 4):
+            assert proc.poll() is None, "run-batch exited before it could be killed"
+            assert time.monotonic() < deadline, "no output lines within 240 s"
+            time.sleep(0.05)
+        proc.kill()  # SIGKILL: no cleanup, no final rewrite
+    finally:
+        proc.kill()
+        proc.wait(30)
+    before = out.read_text()
+    kept = [line for line in before.splitlines(keepends=True) if line.endswith("\n")]
+    assert 4 <= len(kept) < n, "the kill must land in the middle of the batch"
+    survived = {json.loads(line)["index"] for line in kept}
+    with open(out, "a") as f:  # what a kill in the middle of a write leaves: a partial line without its newline
+        f.write('{"index": %d, "variables": {"ne' % (n - 1))
+
+    r = lmc(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"{len(survived)} line(s) already done" in r.stderr
+    recs = _records(out)
+    assert [x["index"] for x in recs] == list(range(n))  # each input line exactly once, in order
+    assert all("error" not in x and x["text"].startswith(f"Count: {x['index']},") for x in recs)
+    for line in kept:  # finished records are kept byte for byte
+        assert line in out.read_text().splitlines(keepends=True)
+    runs = [int(x) for x in calls.read_text().split()]
+    assert sorted(set(runs)) == list(range(n))
+    assert all(runs.count(k) == 1 for k in survived)  # what finished before the kill is not rerun
+
+    # The input changes under a partial (here: finished) output: refused before anything runs, output untouched.
+    finished = out.read_text()
+    inp.write_text(inp.read_text().replace('{"k": 3}', '{"k": 33}'))
+    r = lmc(*args)
+    assert r.returncode == 2 and "changed since" in r.stderr and str(inp) in r.stderr, r.stderr
+    assert out.read_text() == finished and runs == [int(x) for x in calls.read_text().split()]
+    # An output without the record of its input is refused too: it could come from any input.
+    (tmp_path / "out.jsonl.input.json").unlink()
+    r = lmc(*args)
+    assert r.returncode == 2 and "out.jsonl.input.json" in r.stderr and "start over" in r.stderr, r.stderr
