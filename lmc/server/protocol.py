@@ -1,13 +1,173 @@
-"""Request bodies of the OpenAI-compatible and SGLang-native routes (pydantic; unknown fields are refused).
+"""Request bodies of the OpenAI-compatible and SGLang-native routes (pydantic; unknown fields are refused), how a
+body is parsed, and the server's limits on what one request may ask for.
 
 Only fields the server honours (or accepts with their default value, for clients that always send them) are
-declared: anything else is a 400 that names the field, never silently ignored.
+declared: anything else is a 400 that names the field, never silently ignored. `parse_body` turns any body into
+a model or an ApiError(400) naming the problem: strict JSON (no NaN / Infinity, finite numbers), valid UTF-8 and
+Unicode (no lone surrogates), nested at most MAX_JSON_DEPTH deep.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_JSON_DEPTH = 64  # deeper bodies are refused: no legitimate request nests further, and xgrammar recurses
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only \u escapes can put a lone surrogate in a str
+
+
+class ApiError(Exception):
+    """A refused request: status, message (naming the problem), param (the field, when one is to blame)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, type_: str = "invalid_request_error", param=None) -> dict:
+    """OpenAI's error shape, plus SGLang's top-level `message`."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}, "object": "error",
+            "message": message}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:40]} is out of range (numbers must be finite)")
+    return v
+
+
+def load_json(raw: bytes) -> Any:
+    """A request body as JSON, or ApiError(400) saying what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ApiError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})") from None
+    except ValueError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    _check_tree(obj, check_text=bool(_SURROGATE_ESCAPE.search(raw)))
+    return obj
+
+
+def _check_tree(obj: Any, check_text: bool) -> None:
+    """Depth at most MAX_JSON_DEPTH; with check_text, every string (keys too) is encodable Unicode."""
+    stack = [(obj, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            if check_text:
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError(400, f"{path or 'the body'}: the string holds a lone UTF-16 surrogate (an "
+                                        "unpaired \\ud800-\\udfff escape)", path.split(".")[0] or None) from None
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ApiError(400, f"the JSON body is nested too deeply at {path} (the limit is {MAX_JSON_DEPTH})",
+                           path.split(".")[0] or None)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if check_text:
+                    stack.append((k, sub, depth + 1))
+                stack.append((v, sub, depth + 1))
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+
+
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors as one message naming each field."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if not loc and err.get("type") in ("dict_type", "model_type", "model_attributes_type"):
+            parts.append("the request body must be a JSON object")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {loc!r}")
+        else:
+            parts.append(f"{loc}: {err.get('msg')}" if loc else err.get("msg", "invalid request"))
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    obj = load_json(raw)
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        loc = next((x.get("loc") for x in errors if x.get("loc")), ())
+        raise ApiError(400, validation_message(errors), str(loc[0]) if loc else None) from None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (server flags). Beyond them a request is a 400 naming the field: they keep
+    any single request from making every step slow (long stop lists are scanned each step) or from reaching
+    values the engine's tensors cannot hold."""
+
+    max_top_logprobs: int = 20
+    max_stop_strings: int = 64
+    max_stop_chars: int = 512
+    max_token_list: int = 1024  # stop_token_ids, token_ids_logprob, logit_bias entries
+    max_n: int = 128
+
+
+INT64 = 1 << 63
+
+
+def check_limits(p: dict, vocab_size: int, limits: Limits) -> None:
+    """Server limits on an engine sampling-params dict (already validated by SamplingParams): ApiError(400)."""
+    def bad(name: str, rule: str):
+        return ApiError(400, f"invalid sampling parameter {name}={_short(p[name])}: {rule}", name)
+
+    for name, v in p.items():
+        if isinstance(v, int) and not isinstance(v, bool) and not -INT64 <= v < INT64:
+            raise bad(name, "must be within a signed 64-bit integer's range")
+    top = p.get("top_logprobs_num")
+    if isinstance(top, int) and top > min(limits.max_top_logprobs, vocab_size):
+        raise bad("top_logprobs_num", f"this server returns at most {min(limits.max_top_logprobs, vocab_size)} "
+                                      "top logprobs per token")
+    stop = p.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > limits.max_stop_strings:
+            raise bad("stop", f"at most {limits.max_stop_strings} stop strings are allowed, got {len(stops)}")
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise bad("stop", f"a stop string may have at most {limits.max_stop_chars} characters")
+    for name in ("stop_token_ids", "token_ids_logprob", "logit_bias"):
+        v = p.get(name)
+        if v is not None and len(v) > limits.max_token_list:
+            raise bad(name, f"at most {limits.max_token_list} entries are allowed, got {len(v)}")
+    for name in ("stop_token_ids", "token_ids_logprob"):
+        ids = p.get(name) or []
+        out = [t for t in ids if not 0 <= t < vocab_size]
+        if out:
+            raise bad(name, f"token id {out[0]} is outside the model's vocabulary [0, {vocab_size})")
+
+
+def _short(v: Any, n: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[:n] + "..."
 
 
 class _Strict(BaseModel):
