@@ -424,3 +424,185 @@ def test_overloaded_server_answers_503(engine):
         codes = sorted(r.status_code for r in asyncio.run(main()))
         assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
         assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# ---- reliability: hostile bodies, security defaults, bounds ------------------------------------------------------
+HOSTILE = [  # (path, body, the field the error must name)
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1_000_000_000], "min_new_tokens": 2,
+                                                     "max_new_tokens": 4}}, "stop_token_ids"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 10 ** 6,
+                   "sampling_params": {"max_new_tokens": 2}}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2 ** 70, "max_new_tokens": 2}}, "seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2 ** 70, "temperature": 0.5}}, "top_k"),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"seed": 2 ** 70}}, "seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 1000}}, "stop"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": list(range(5000))}}, "stop_token_ids"),
+    ("/generate", {"text": "hi", "token_ids_logprob": [10 ** 12], "return_logprob": True}, "token_ids_logprob"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": 5}}, "sampling parameters"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 10 ** 9}}, "n"),
+    ("/generate", {"text": ["hi"] * 5000, "sampling_params": {"max_new_tokens": 1}}, "n"),
+    ("/generate", {"text": "hi", "rid": 5}, "rid"),
+    ("/generate", {"text": "hi", "frobnicate": True}, "frobnicate"),
+    ("/generate", {"input_ids": [[1, 2], []]}, "empty"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70, "max_tokens": 2}, "seed"),
+    ("/v1/completions", {"prompt": [10 ** 9], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9], "min_tokens": 2, "max_tokens": 3},
+     "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 10 ** 6}, "top_logprobs"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "NaN"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": 1e999}}', "finite"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": -Infinity}', "Infinity"),
+    ("/generate", b'{"text": "\xff\xfe"}', "UTF-8"),
+    ("/generate", b'{"text": "a\\ud800b"}', "text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages[0].content"),
+    ("/generate", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("/generate", b'{"text": ' + b"[" * 80 + b'"x"' + b"]" * 80 + b"}", "nested too deeply"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}", "digits"),
+    ("/generate", {"text": "word " * 600_000}, "text has 3000000 characters"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", HOSTILE, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(HOSTILE)])
+def test_hostile_requests_get_4xx_naming_the_problem(http, path, body, needle):
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert 400 <= r.status_code < 500, r.text[:500]
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() or needle == err["param"], err
+
+
+def test_hostile_requests_leave_the_others_and_the_cache_standing(server, http):
+    """The issue's scenario: ordinary requests decoding while the hostile ones arrive all get their full answer,
+    and the warm prefix stays cached."""
+    warm = "A warm prefix shared by the ordinary requests: " + "the quick brown fox jumps. " * 30
+    ref = http.post("/generate", json={"text": warm + "Go", "sampling_params": {"max_new_tokens": 12,
+                                                                               "temperature": 0}}).json()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as c:
+            normal = [c.post("/generate", json={"text": warm + "Go", "sampling_params": {
+                "max_new_tokens": 12, "temperature": 0}}) for _ in range(8)]
+            hostile = [c.post(p, content=b) if isinstance(b, bytes) else c.post(p, json=b) for p, b, _ in HOSTILE]
+            return await asyncio.gather(*normal), await asyncio.gather(*hostile)
+
+    normal, hostile = asyncio.run(main())
+    assert all(r.status_code == 200 and r.json()["output_ids"] == ref["output_ids"] for r in normal)
+    assert all(400 <= r.status_code < 500 for r in hostile), [r.status_code for r in hostile]
+    again = http.post("/generate", json={"text": warm + "Go", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 2
+    _assert_no_leak(http)
+
+
+def test_every_route_but_health_needs_the_key(server, engine):
+    routes = [("GET", "/metrics"), ("GET", "/get_server_info"), ("GET", "/server_info"), ("GET", "/get_model_info"),
+              ("GET", "/v1/models"), ("GET", "/health_generate"), ("POST", "/flush_cache"), ("POST", "/generate"),
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]},
+                        {"Authorization": "Bearer " + KEY + "x"}):
+            r = httpx.request(method, server.url + path, headers=headers, json={})
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (method, path, headers)
+    assert httpx.get(server.url + "/health").status_code == 200
+    # a non-ASCII key is compared as bytes (hmac.compare_digest would raise on non-ASCII str)
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer ключ".encode()})
+    assert r.status_code == 401
+    with ServerThread(create_app(engine, api_key=KEY, enable_metrics=True, metrics_no_auth=True)) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 200  # opened for a scraper
+        assert httpx.get(srv.url + "/get_server_info").status_code == 401
+
+
+def test_state_changing_routes_are_post_only(http):
+    r = http.get("/flush_cache")
+    assert r.status_code == 405, r.text
+    _wait_idle(http)
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_request_body_is_bounded(engine):
+    with ServerThread(create_app(engine, max_body_bytes=10_000)) as srv:
+        body = {"text": "x" * 20_000, "sampling_params": {"max_new_tokens": 1}}
+        r = httpx.post(srv.url + "/generate", json=body)
+        assert r.status_code == 413 and "10000 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(20):
+                yield b" " * 1000
+
+        r = httpx.post(srv.url + "/generate", content=chunks())
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+        assert ok.status_code == 200
+
+
+class _GrammarLimits:
+    """Set the session engine's grammar-cache limits for one test, and restore them after."""
+
+    def __init__(self, engine, **limits):
+        self.cache, self.limits = engine.grammars, limits
+
+    def __enter__(self):
+        self.saved = {k: getattr(self.cache, k) for k in self.limits}
+        self.cache.configure(**self.limits)
+        return self.cache
+
+    def __exit__(self, *exc):
+        self.cache.configure(**self.saved)
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^lmc:{name}\{{.*\}} (\S+)", text, re.M).group(1))
+
+
+def test_distinct_regexes_are_evicted_and_counted(http, engine):
+    with _GrammarLimits(engine, max_entries=4):
+        before = _metric(http.get("/metrics").text, "grammar_cache_evictions_total")
+        for i in range(10):
+            r = http.post("/generate", json={"text": "Code:", "sampling_params": {
+                "max_new_tokens": 3, "temperature": 0, "regex": f"[0-9]{{3}}-{i}x"}})
+            assert r.status_code == 200 and re.fullmatch(r"[0-9]{1,3}", r.json()["text"]), r.text
+        text = http.get("/metrics").text
+        assert _metric(text, "grammar_cache_entries") <= 4 == len(engine.grammars.compiled)
+        assert _metric(text, "grammar_cache_evictions_total") >= before + 6
+        assert _metric(text, "grammar_compiles_total") >= 10
+
+
+def _slow_regex(n: int) -> str:
+    return "[a-z ]{1,%d}" % n  # xgrammar needs seconds to compile this (its token-mask cache grows with n)
+
+
+def test_grammar_compile_timeout_is_a_400_naming_the_constraint(http, engine):
+    with _GrammarLimits(engine, compile_timeout=0.2):
+        t0 = time.monotonic()
+        r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2,
+                                                                         "regex": _slow_regex(3001)}})
+        assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+        assert "did not compile within 0.2 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+    assert _metric(http.get("/metrics").text, "grammar_compile_timeouts_total") >= 1
+
+
+def test_grammar_compilation_does_not_block_the_event_loop(server, http, engine):
+    """While a grammar compiles for seconds (and a long prompt is tokenized), /health keeps answering: its worst
+    latency is a fraction of the compile's (on the event loop, it would wait the whole compile)."""
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as c:
+            t0 = time.perf_counter()
+            slow = asyncio.ensure_future(c.post("/generate", json={"text": "Hi", "sampling_params": {
+                "max_new_tokens": 1, "regex": _slow_regex(3002)}}))
+            long = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "many words " * 20000}))
+            await asyncio.sleep(0.2)
+            worst = 0.0
+            while not slow.done():
+                t1 = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                worst = max(worst, time.perf_counter() - t1)
+                await asyncio.sleep(0.02)
+            return worst, time.perf_counter() - t0, await slow, await long
+
+    worst, took, slow, long = asyncio.run(main())
+    assert slow.status_code == 200 and long.status_code == 200, (slow.text, long.text)
+    assert took > 1.0 and worst < took / 3, (worst, took)

@@ -151,6 +151,9 @@ class GrammarCache:
 
     def compile(self, kind: str, text: str):
         key = (kind, text)
+        if self._compiler is None:  # built once, in the caller's thread: not part of any grammar's timeout
+            with self._lock:
+                self._get_compiler()
         with self._state:
             hit = self.compiled.get(key)
             if hit is not None:
@@ -176,9 +179,8 @@ class GrammarCache:
     def _compile_into(self, key: tuple[str, str], fut: Future) -> None:
         """In a pool thread: compile `key`, cache it, resolve `fut` (RequestError when the grammar is invalid)."""
         kind, text = key
+        compiler = self._compiler
         try:
-            with self._lock:
-                compiler = self._get_compiler()
             try:
                 if kind == "regex":
                     cg = compiler.compile_regex(text)

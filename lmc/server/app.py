@@ -177,11 +177,14 @@ class _Service:
         self.metrics.finished(r["meta_info"], start, _structured(params))
         return r
 
-    async def run_all(self, items: list[tuple[list[int], dict]]) -> list[dict]:
-        """Every item to completion, or the first error (the other requests are aborted)."""
+    async def run_all(self, items: list[tuple[list[int], dict]], keep_failures: bool = False) -> list:
+        """Every item to completion, or the first error (the other requests are aborted). `keep_failures`: an
+        item the engine failed (5xx) is returned as its exception and the others go on; a refused one (4xx: the
+        request is bad) still fails them all."""
         self.admit(len(items))
         try:
-            tasks = [asyncio.ensure_future(self.run(ids, p)) for ids, p in items]
+            tasks = [asyncio.ensure_future(self._kept(self.run(ids, p)) if keep_failures else self.run(ids, p))
+                     for ids, p in items]
             try:
                 return await asyncio.gather(*tasks)
             except BaseException:
@@ -191,6 +194,15 @@ class _Service:
                 raise
         finally:
             self.pending -= len(items)
+
+    @staticmethod
+    async def _kept(run):
+        try:
+            return await run
+        except ApiError as e:
+            if e.status < 500:
+                raise
+            return e
 
     async def stream(self, ids: list[int], params: dict) -> "_EngineStream":
         """The engine's stream of one request. The first chunk is awaited before returning, so a refused request
@@ -332,7 +344,8 @@ def _validate_params(svc: _Service, p: dict) -> None:
     try:
         SamplingParams.from_dict(dict(p))
     except RequestError as e:
-        raise ApiError(400, str(e)) from None
+        named = re.match(r"invalid sampling parameter (\w+)", str(e))
+        raise ApiError(400, str(e), named and named.group(1)) from None
     except TypeError as e:
         raise ApiError(400, f"invalid sampling parameters: {e}") from None
     check_limits(p, svc.vocab_size, svc.limits)
@@ -989,12 +1002,7 @@ async def _native_generate(svc: _Service, req: GenerateRequest, request: Request
 
         return _EventStream(await _start_streams(svc, items), events)
 
-    svc.admit(len(items))
-    try:
-        outs = await _unless_disconnected(
-            request, asyncio.gather(*(svc.run(ids, p) for ids, p in items), return_exceptions=True))
-    finally:
-        svc.pending -= len(items)
+    outs = await _unless_disconnected(request, svc.run_all(items, keep_failures=True))
     if single and isinstance(outs[0], BaseException):
         raise outs[0]
     results = [_native_result(svc, out, req.return_text_in_logprobs, start) if not isinstance(out, BaseException)
