@@ -12,6 +12,7 @@ import pytest
 from lmc.server import ServerThread, create_app
 
 from conftest import API_KEY as KEY
+from hostile_requests import HOSTILE
 
 try:
     import httpx
@@ -427,44 +428,6 @@ def test_overloaded_server_answers_503(engine):
 
 
 # ---- reliability: hostile bodies, security defaults, bounds ------------------------------------------------------
-HOSTILE = [  # (path, body, the field the error must name)
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1_000_000_000], "min_new_tokens": 2,
-                                                     "max_new_tokens": 4}}, "stop_token_ids"),
-    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 10 ** 6,
-                   "sampling_params": {"max_new_tokens": 2}}, "top_logprobs_num"),
-    ("/generate", {"text": "hi", "sampling_params": {"seed": 2 ** 70, "max_new_tokens": 2}}, "seed"),
-    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2 ** 70, "temperature": 0.5}}, "top_k"),
-    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"seed": 2 ** 70}}, "seed"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x"] * 1000}}, "stop"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": list(range(5000))}}, "stop_token_ids"),
-    ("/generate", {"text": "hi", "token_ids_logprob": [10 ** 12], "return_logprob": True}, "token_ids_logprob"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": 5}}, "sampling parameters"),
-    ("/generate", {"text": "hi", "sampling_params": {"n": 10 ** 9}}, "n"),
-    ("/generate", {"text": ["hi"] * 5000, "sampling_params": {"max_new_tokens": 1}}, "n"),
-    ("/generate", {"text": "hi", "rid": 5}, "rid"),
-    ("/generate", {"text": "hi", "frobnicate": True}, "frobnicate"),
-    ("/generate", {"input_ids": [[1, 2], []]}, "empty"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70, "max_tokens": 2}, "seed"),
-    ("/v1/completions", {"prompt": [10 ** 9], "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9], "min_tokens": 2, "max_tokens": 3},
-     "stop_token_ids"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": 10 ** 6}, "top_logprobs"),
-    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
-    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "NaN"),
-    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": 1e999}}', "finite"),
-    ("/v1/completions", b'{"prompt": "hi", "temperature": -Infinity}', "Infinity"),
-    ("/generate", b'{"text": "\xff\xfe"}', "UTF-8"),
-    ("/generate", b'{"text": "a\\ud800b"}', "text"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages[0].content"),
-    ("/generate", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    ("/generate", b'{"text": ' + b"[" * 80 + b'"x"' + b"]" * 80 + b"}", "nested too deeply"),
-    ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}", "digits"),
-    ("/generate", {"text": "word " * 600_000}, "text has 3000000 characters"),
-]
-
-
 @pytest.mark.parametrize("path,body,needle", HOSTILE, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(HOSTILE)])
 def test_hostile_requests_get_4xx_naming_the_problem(http, path, body, needle):
     r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)

@@ -341,6 +341,10 @@ def _validate_params(svc: _Service, p: dict) -> None:
     """Fail fast (400) on a bad sampling value or one beyond the server's limits, before any request is queued."""
     from ..runtime.core import RequestError, SamplingParams
 
+    for name in ("stop", "stop_token_ids", "token_ids_logprob"):  # a scalar where a list belongs
+        if p.get(name) is not None and not isinstance(p[name], list) and not (name == "stop" and
+                                                                            isinstance(p[name], str)):
+            raise ApiError(400, f"invalid sampling parameter {name}={p[name]!r}: must be a list", name)
     try:
         SamplingParams.from_dict(dict(p))
     except RequestError as e:
