@@ -22,6 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from hostile_requests import HOSTILE
+from lmc.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 try:
     import httpx
@@ -98,15 +99,9 @@ _junk = st.one_of(st.text(max_size=5), st.booleans(), st.lists(st.integers(), ma
                   st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=4, max_size=12)
 _word = st.text(alphabet="xyz", min_size=1, max_size=4)  # never a number (pydantic would parse "12" as one)
-_KNOWN = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-          "token_ids_logprob", "return_text_in_logprobs", "stream", "rid", "image_data", "modalities", "lora_path",
-          "session_params", "custom_logit_processor", "return_hidden_states", "log_metrics", "prompt", "messages",
-          "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty", "presence_penalty",
-          "logit_bias", "user", "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-          "skip_special_tokens", "regex", "ebnf", "json_schema", "structured_outputs", "echo", "logprobs", "best_of",
-          "suffix", "response_format", "stream_options", "max_completion_tokens", "top_logprobs", "tools",
-          "tool_choice", "parallel_tool_calls", "metadata", "store", "continue_final_message",
-          "add_generation_prompt"}
+_KNOWN = {name for model in (GenerateRequest, CompletionRequest, ChatCompletionRequest)
+          for name in (*model.model_fields, *(f.alias for f in model.model_fields.values() if f.alias),
+                       *model.UNSUPPORTED, *model.INFORMATIONAL)}  # what a generated unknown field must avoid
 _BASE = {"/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
          "/v1/completions": {"prompt": "Hello", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}}

@@ -569,3 +569,45 @@ def test_grammar_compilation_does_not_block_the_event_loop(server, http, engine)
     worst, took, slow, long = asyncio.run(main())
     assert slow.status_code == 200 and long.status_code == 200, (slow.text, long.text)
     assert took > 1.0 and worst < took / 3, (worst, took)
+
+
+# ---- SGLang's worker API (what SGLang's clients send and read) ---------------------------------------------------
+def test_sglang_fields_at_their_defaults_are_accepted_and_others_refused_by_name(http):
+    bench = {"text": "Hello", "sampling_params": {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True},
+             "stream": False, "lora_path": None, "return_logprob": False, "return_routed_experts": False,
+             "logprob_start_len": -1, "image_data": None, "bootstrap_room": None, "routing_key": "user-7",
+             "custom_labels": {"team": "a"}, "priority": None}  # SGLang's serving benchmark client, and friends
+    r = http.post("/generate", json=bench)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
+    for field, value in (("return_routed_experts", True), ("lora_path", "adapter"), ("priority", 3),
+                         ("extra_key", "tenant"), ("bootstrap_room", 12), ("image_data", ["x.png"])):
+        r = http.post("/generate", json={**bench, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert field in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "return_routed_experts": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
+    r = http.post("/generate", json={**bench, "return_wishes": False})  # a field nobody defines stays a 400
+    assert r.status_code == 400 and "unknown field 'return_wishes'" in r.json()["error"]["message"]
+
+
+def test_cached_tokens_details_are_reported_when_asked(http):
+    body = {"prompt": "A shared opening line for the cache report. " * 8 + "Go", "max_tokens": 1,
+            "temperature": 0, "return_cached_tokens_details": True}
+    http.post("/v1/completions", json=body)
+    r = http.post("/v1/completions", json=body).json()
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and r["sglext"] == {"cached_tokens_details": {"device": cached, "host": 0}}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "return_cached_tokens_details": False}).json()
+    assert "sglext" not in r
+
+
+def test_streamed_generate_events_carry_token_counts(http):
+    prompt = "Counting upward: one, two, three,"
+    http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 1}})  # warm the cache
+    events = _sse_events(http, {"text": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert all("cached_tokens" in e["meta_info"] for e in events)
+    assert counts == sorted(counts) and counts[-1] == 8 and counts[0] >= 1, counts
+    assert events[0]["meta_info"]["cached_tokens"] == events[-1]["meta_info"]["cached_tokens"] > 0

@@ -240,7 +240,8 @@ class Engine:
 
     def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push,
                           req: Req | None = None) -> RequestFuture:
-        """Submit a streamed request (`req`, when already made by make_request)."""
+        """Submit a streamed request (`req`, when already made by make_request). Its chunks also carry
+        `completion_tokens` and `cached_tokens` so far (SGLang's streamed meta_info has both in every event)."""
         fut = RequestFuture()
         fut.add_done_callback(lambda f: push(None))
         try:
@@ -248,7 +249,11 @@ class Engine:
         except RequestError as e:
             fut.set_exception(e)
             return fut
-        req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push)
+
+        def push_counted(chunk: dict) -> None:  # called on the scheduler thread, right after `req` advanced
+            push({**chunk, "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens})
+
+        req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push_counted)
         self._enqueue(req, fut)
         return fut
 

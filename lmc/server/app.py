@@ -381,6 +381,15 @@ def _usage(results: list[dict], prompts: list[int]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
 
 
+def _with_sglext(req, response: dict) -> dict:
+    """SGLang's response extension: with return_cached_tokens_details, where the cached prompt tokens came from
+    (lmc's prefix cache is all in device memory: no host tier)."""
+    if req.return_cached_tokens_details:
+        cached = response["usage"]["prompt_tokens_details"]["cached_tokens"]
+        response["sglext"] = {"cached_tokens_details": {"device": cached, "host": 0}}
+    return response
+
+
 def _chat_logprobs(svc: _Service, meta: dict, top: int) -> dict:
     content = []
     tops = meta.get("output_top_logprobs") or []
@@ -547,8 +556,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
             choices.append({"index": i, "text": (texts[k] if req.echo else "") + r["text"],
                             "logprobs": choice_logprobs(r["meta_info"], k), "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
-                "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])}
+        return _with_sglext(req, {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
+                                  "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])})
 
     # ---- OpenAI: chat completions ------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -610,8 +619,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
                             "logprobs": _chat_logprobs(svc, r["meta_info"], top) if req.logprobs else None,
                             "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
-                "choices": choices, "usage": _usage(results, [len(ids)])}
+        return _with_sglext(req, {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
+                                  "choices": choices, "usage": _usage(results, [len(ids)])})
 
     @app.get("/v1/models")
     async def models():
@@ -904,13 +913,6 @@ async def _unless_disconnected(request: Request, work):
 def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[int], dict]], bool, list[int]]:
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "text")
-    if req.image_data not in (None, [], [None]):
-        raise ApiError(400, f"image_data: the model {svc.model!r} is text-only", "image_data")
-    for name in ("lora_path", "session_params", "custom_logit_processor"):
-        if getattr(req, name) not in (None, [], [None]):
-            raise ApiError(400, f"{name} is not supported by this server", name)
-    if req.return_hidden_states:
-        raise ApiError(400, "return_hidden_states is not supported by this server", "return_hidden_states")
     if req.text is not None:
         single = isinstance(req.text, str)
         prompts = [req.text] if single else list(req.text)
@@ -998,8 +1000,10 @@ async def _native_generate(svc: _Service, req: GenerateRequest, request: Request
                 if "meta_info" in c:
                     out = _native_result(svc, {**c, "text": texts[i]}, req.return_text_in_logprobs, start)
                 else:
-                    out = {"text": texts[i], "output_ids": [],
-                           "meta_info": {"id": None, "finish_reason": None, "prompt_tokens": len(items[i][0])}}
+                    out = {"text": texts[i], "output_ids": [],  # SGLang's clients read both counts in every event
+                           "meta_info": {"id": None, "finish_reason": None, "prompt_tokens": len(items[i][0]),
+                                         "completion_tokens": c["completion_tokens"],
+                                         "cached_tokens": c["cached_tokens"]}}
                 if not single:
                     out["index"] = i
                 yield _sse(out)

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -112,11 +112,14 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(obj)
+        req = model.model_validate(obj)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         loc = next((x.get("loc") for x in errors if x.get("loc")), ())
         raise ApiError(400, validation_message(errors), str(loc[0]) if loc else None) from None
+    if isinstance(req, _SGLangFields):
+        req.refuse_unsupported()
+    return req
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,39 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _is_default(value: Any, default: Any) -> bool:
+    """`value` asks for nothing beyond `default` (a per-prompt list of defaults too, or null for a falsy one)."""
+    if value == default or (value is None and not default):
+        return True
+    return isinstance(value, list) and all(_is_default(v, default) for v in value) and not isinstance(default, list)
+
+
+class _SGLangFields(BaseModel):
+    """A request body that also takes the fields of SGLang's schema lmc does not implement, at their default
+    values (SGLang's clients send them always): `UNSUPPORTED` maps each to (default, why another value is
+    refused); `INFORMATIONAL` fields ask nothing of the server (routing hints, labels, tracing) and are ignored
+    whatever they hold. Any other field is a 400 naming it: `refuse_unsupported()`, called by parse_body."""
+
+    model_config = ConfigDict(extra="allow")
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {}
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in self.INFORMATIONAL:
+                continue
+            if name not in self.UNSUPPORTED:
+                raise ApiError(400, f"unknown field {name!r}", name)
+            default, why = self.UNSUPPORTED[name]
+            if not _is_default(value, default):
+                raise ApiError(400, f"{name}={_short(value)} is not supported by this server ({why}); it takes "
+                                    f"only SGLang's default, {default!r}", name)
+
+
+_NO_MM = "the model is text-only"
+_NOT_HERE = "not implemented by lmc"
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -200,8 +236,14 @@ class StructuredOutputs(_Strict):
     grammar: Optional[str] = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_SGLangFields):
     """Sampling fields shared by both OpenAI routes, including SGLang's and vLLM's extras."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "return_hidden_states": (False, _NOT_HERE), "return_routed_experts": (False, "the model has no experts"),
+        "stop_regex": (None, _NOT_HERE), "no_stop_trim": (False, _NOT_HERE), "lora_path": (None, "no LoRA adapters"),
+        "custom_logit_processor": (None, _NOT_HERE)}
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"rid", "routing_key"})
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -228,7 +270,7 @@ class _SamplingFields(_Strict):
     ebnf: Optional[str] = None
     json_schema: Optional[Union[dict, str]] = None
     structured_outputs: Optional[StructuredOutputs] = None
-    rid: Optional[str] = None
+    return_cached_tokens_details: bool = False  # SGLang's: the response's sglext.cached_tokens_details
 
 
 class CompletionRequest(_SamplingFields):
@@ -271,8 +313,28 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-class GenerateRequest(_Strict):
-    """SGLang's GenerateReqInput: the fields lmc serves, plus those SGLang clients send with default values."""
+class GenerateRequest(_SGLangFields):
+    """SGLang's GenerateReqInput: the fields lmc serves, plus those lmc does not implement at their defaults."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        **{k: (None, _NO_MM) for k in ("image_data", "video_data", "audio_data", "input_embeds",
+                                       "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+                                       "video_max_dynamic_patch", "num_items_assigned")},
+        "need_wait_for_mm_inputs": (None, _NO_MM),
+        "return_hidden_states": (False, _NOT_HERE), "return_routed_experts": (False, "the model has no experts"),
+        "routed_experts_start_len": (0, "the model has no experts"), "session_params": (None, _NOT_HERE),
+        "lora_path": (None, "no LoRA adapters"), "lora_id": (None, "no LoRA adapters"),
+        "custom_logit_processor": (None, _NOT_HERE),
+        **{k: (None, "no prefill/decode disaggregation") for k in (
+            "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+            "disagg_prefill_dp_rank")},
+        "routed_dp_rank": (None, "one data-parallel rank"), "data_parallel_rank": (None, "one data-parallel rank"),
+        "require_reasoning": (False, _NOT_HERE), "background": (False, _NOT_HERE),
+        "priority": (None, "no priority scheduling"), "extra_key": (None, "one prefix-cache namespace"),
+        "return_bytes": (False, _NOT_HERE), "return_entropy": (False, _NOT_HERE)}
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({
+        "modalities", "log_metrics", "routing_key", "conversation_id", "custom_labels", "no_logs",
+        "external_trace_header", "received_time"})
 
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
@@ -284,10 +346,3 @@ class GenerateRequest(_Strict):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
-    image_data: Optional[Any] = None
-    modalities: Optional[Any] = None
-    lora_path: Optional[Any] = None
-    session_params: Optional[Any] = None
-    custom_logit_processor: Optional[Any] = None
-    return_hidden_states: bool = False
-    log_metrics: bool = True
