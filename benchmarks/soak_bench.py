@@ -11,6 +11,8 @@ any shows as growth across rounds. Needs the test dependencies (hypothesis, http
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -26,6 +28,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 KEY = "soak-bench-key"
+
+
+def python_objects() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def trimmed_rss_mb() -> float:
+    """RSS after asking glibc to return its free heap pages: what stays is memory in use, not free memory the
+    allocator kept (growth of rss_mb alone may be either)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    return rss_mb()
 
 
 def rss_mb() -> float:
@@ -79,10 +96,14 @@ def main() -> int:
         while time.monotonic() - t0 < args.duration:
             report = soak.round(seed)
             rounds.append({"seed": seed, "requests": report.requests, "seconds": round(report.seconds, 2),
-                           "problems": len(report.problems), "counts": report.counts, "rss_mb": round(rss_mb(), 1)})
+                           "problems": len(report.problems), "counts": report.counts, "rss_mb": round(rss_mb(), 1),
+                           "rss_after_trim_mb": round(trimmed_rss_mb(), 1), "python_objects": python_objects(),
+                           "radix_cached_slots": engine.stats()["cached_slots"]})
             problems += [[str(x)[:300] for x in p] for p in report.problems[:5]]
-            print(f"round {seed}: {report.requests} requests in {report.seconds:.1f} s, "
-                  f"{len(report.problems)} problems, RSS {rss_mb():.0f} MB", flush=True)
+            r = rounds[-1]
+            print(f"round {seed}: {report.requests} requests in {report.seconds:.1f} s, {r['problems']} problems, "
+                  f"RSS {r['rss_mb']:.0f} MB ({r['rss_after_trim_mb']:.0f} after malloc_trim), "
+                  f"{r['python_objects']} Python objects", flush=True)
             seed += 1
         elapsed = time.monotonic() - t0
         slots = wait_idle(soak.main)
@@ -109,7 +130,10 @@ def main() -> int:
         "requests_per_s": {"median": round(statistics.median(per_round), 2), "min": round(min(per_round), 2),
                            "max": round(max(per_round), 2)},
         "rss_mb": {"after_warmup": round(rss_after_warmup, 1), "first_round": rounds[0]["rss_mb"],
-                   "last_round": rounds[-1]["rss_mb"], "max": max(rss), "samples": sampler.samples},
+                   "last_round": rounds[-1]["rss_mb"], "max": max(rss),
+                   "after_trim_first_round": rounds[0]["rss_after_trim_mb"],
+                   "after_trim_last_round": rounds[-1]["rss_after_trim_mb"], "samples": sampler.samples},
+        "python_objects": {"first_round": rounds[0]["python_objects"], "last_round": rounds[-1]["python_objects"]},
         "slots_after": slots,
         "no_request_owned_slot": slots["consistent"] and slots["request_owned_slots"] == 0,
         "warm_prefix": {"prompt_tokens": warm_prompt, "cached_tokens_after": warm_cached},
