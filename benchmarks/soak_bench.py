@@ -110,6 +110,7 @@ def main() -> int:
         _, warm_cached = soak.warm_cached()
         grammars = engine.grammars.stats()
         metrics = soak.main.get("/metrics").text
+        soak.close()
     sampler.stop.set()
     engine.shutdown()
 

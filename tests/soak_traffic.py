@@ -214,11 +214,22 @@ class Soak:
         self.want: list | None = None
         self.main = httpx.Client(base_url=url, headers=self.headers, timeout=120)
         self._local = threading.local()
+        # Threads and their clients live as long as the Soak: rounds leave no client-side garbage behind, so that
+        # memory growth across rounds is the server's.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="soak-client")
+        self._clients: list = [self.main]
 
-    def _client(self):
+    def _client(self, keyed: bool = True):
         if not hasattr(self._local, "c"):
             self._local.c = httpx.Client(base_url=self.url, headers=self.headers, timeout=120)
-        return self._local.c
+            self._local.anon = httpx.Client(base_url=self.url, timeout=120)
+            self._clients += [self._local.c, self._local.anon]
+        return self._local.c if keyed else self._local.anon
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for c in self._clients:
+            c.close()
 
     def references(self) -> None:
         self.want = [_answer(kind, self.main.post(path, json=body)) for kind, path, body in self.normal]
@@ -251,8 +262,7 @@ class Soak:
                 return e
 
         t0 = time.monotonic()
-        with ThreadPoolExecutor(self.threads) as pool:
-            results = list(pool.map(run, jobs))
+        results = list(self._pool.map(run, jobs))
         report = RoundReport(requests=len(jobs), seconds=time.monotonic() - t0)
         for (what, i), got in zip(jobs, results):
             report.counts[what] = report.counts.get(what, 0) + 1
@@ -297,8 +307,8 @@ class Soak:
                                                                                  **GREEDY}})
             return r.status_code, r.json().get("text"), rx
         # no key: /metrics and /flush_cache (GET or POST) are refused; a GET of /flush_cache with it is a 405
-        r = [httpx.get(self.url + "/metrics"), httpx.get(self.url + "/flush_cache"),
-             httpx.post(self.url + "/flush_cache"), c.get("/flush_cache")]
+        anon = self._client(keyed=False)
+        r = [anon.get("/metrics"), anon.get("/flush_cache"), anon.post("/flush_cache"), c.get("/flush_cache")]
         return [x.status_code for x in r]
 
     def _right(self, what: str, i: int, got) -> bool:

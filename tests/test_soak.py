@@ -25,4 +25,5 @@ def test_soak_mixed_traffic(server):
     assert slots["consistent"] and slots["request_owned_slots"] == 0 and slots["resident_requests"] == 0, slots
     assert slots["protected_slots"] == 0 and slots["free_slots"] + slots["cached_slots"] == slots["total_slots"]
     _, cached = soak.warm_cached()
+    soak.close()
     assert cached >= prompt_tokens - 1  # the warm prefix survived the soak
