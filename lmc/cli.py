@@ -457,6 +457,21 @@ def _run_batch(args) -> int:
 
 
 # ---- lmc serve --------------------------------------------------------------------------------------------------
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not v > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return v
+    return parse
+
+
+_positive_int, _positive_float = _positive(int), _positive(float)
+
+
 def _serve(args) -> int:
     try:
         from lmc.server import serve
@@ -473,7 +488,10 @@ def _serve(args) -> int:
     try:
         serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
               served_model_name=args.served_model_name, enable_metrics=args.enable_metrics,
-              log_level=args.log_level, max_pending=args.max_pending, **kwargs)
+              log_level=args.log_level, max_pending=args.max_pending, metrics_no_auth=args.metrics_no_auth,
+              max_body_bytes=args.max_body_bytes, max_top_logprobs=args.max_top_logprobs,
+              grammar_cache_size=args.grammar_cache_size, grammar_compile_timeout=args.grammar_compile_timeout,
+              **kwargs)
     except UnknownModelError as e:
         raise UsageError(str(e)) from None
     except OSError as e:
@@ -584,8 +602,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="model name (see `lmc models`), HF directory or .gguf file")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=30000)
-    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all routes but /health, "
-                                                    "/metrics)")
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    sv.add_argument("--metrics-no-auth", action="store_true",
+                    help="with --api-key, serve /metrics without the key (for a Prometheus scraper)")
+    sv.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                    help="larger request bodies get a 413 (default 4 MiB)")
+    sv.add_argument("--max-top-logprobs", type=_positive_int, default=None,
+                    help="most top logprobs a request may ask for per token (default 20)")
+    sv.add_argument("--grammar-cache-size", type=_positive_int, default=None,
+                    help="compiled grammars kept (LRU; default 256)")
+    sv.add_argument("--grammar-compile-timeout", type=_positive_float, default=None,
+                    help="seconds a grammar may take to compile before its request gets a 400 (default 30)")
     sv.add_argument("--served-model-name", default=None, help="the model name the API reports")
     sv.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"])
     sv.add_argument("--disable-radix-cache", action="store_true")

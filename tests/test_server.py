@@ -12,6 +12,7 @@ import pytest
 from lmc.server import ServerThread, create_app
 
 from conftest import API_KEY as KEY
+from hostile_requests import HOSTILE
 
 try:
     import httpx
@@ -261,7 +262,7 @@ def test_sglang_frontend_requests_are_served(http, tokenizer):
                                        "logprob_start_len": max(prompt_len - 2, 0)}).json()
     assert all(x["meta_info"]["input_token_logprobs"][-1][2] in (" yes", " no") for x in sel)
     assert http.get("/get_model_info").json()["model_path"]
-    assert http.get("/flush_cache").status_code in (200, 400)
+    assert http.post("/flush_cache").status_code in (200, 400)
 
 
 def test_native_streaming_is_cumulative(http):
@@ -332,7 +333,7 @@ def test_info_flush_health_metrics(http, server):
     http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "temperature": 0})
     http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "stream": True,
                                        "regex": "[a-z ]+"})
-    text = httpx.get(server.url + "/metrics").text  # no key needed
+    text = http.get("/metrics").text
     for name in ("lmc:num_running_reqs", "lmc:num_queue_reqs", "lmc:token_usage", "lmc:cache_hit_rate",
                  "lmc:gen_throughput", "lmc:prompt_tokens_total", "lmc:cached_tokens_total",
                  "lmc:time_to_first_token_seconds_bucket", "lmc:e2e_request_latency_seconds_count",
@@ -424,3 +425,189 @@ def test_overloaded_server_answers_503(engine):
         codes = sorted(r.status_code for r in asyncio.run(main()))
         assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
         assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# ---- reliability: hostile bodies, security defaults, bounds ------------------------------------------------------
+@pytest.mark.parametrize("path,body,needle", HOSTILE, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(HOSTILE)])
+def test_hostile_requests_get_4xx_naming_the_problem(http, path, body, needle):
+    r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+    assert 400 <= r.status_code < 500, r.text[:500]
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() or needle == err["param"], err
+
+
+def test_hostile_requests_leave_the_others_and_the_cache_standing(server, http):
+    """The issue's scenario: ordinary requests decoding while the hostile ones arrive all get their full answer,
+    and the warm prefix stays cached."""
+    warm = "A warm prefix shared by the ordinary requests: " + "the quick brown fox jumps. " * 30
+    ref = http.post("/generate", json={"text": warm + "Go", "sampling_params": {"max_new_tokens": 12,
+                                                                               "temperature": 0}}).json()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as c:
+            normal = [c.post("/generate", json={"text": warm + "Go", "sampling_params": {
+                "max_new_tokens": 12, "temperature": 0}}) for _ in range(8)]
+            hostile = [c.post(p, content=b) if isinstance(b, bytes) else c.post(p, json=b) for p, b, _ in HOSTILE]
+            return await asyncio.gather(*normal), await asyncio.gather(*hostile)
+
+    normal, hostile = asyncio.run(main())
+    assert all(r.status_code == 200 and r.json()["output_ids"] == ref["output_ids"] for r in normal)
+    assert all(400 <= r.status_code < 500 for r in hostile), [r.status_code for r in hostile]
+    again = http.post("/generate", json={"text": warm + "Go", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 2
+    _assert_no_leak(http)
+
+
+def test_every_route_but_health_needs_the_key(server, engine):
+    routes = [("GET", "/metrics"), ("GET", "/get_server_info"), ("GET", "/server_info"), ("GET", "/get_model_info"),
+              ("GET", "/v1/models"), ("GET", "/health_generate"), ("POST", "/flush_cache"), ("POST", "/generate"),
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]},
+                        {"Authorization": "Bearer " + KEY + "x"}):
+            r = httpx.request(method, server.url + path, headers=headers, json={})
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (method, path, headers)
+    assert httpx.get(server.url + "/health").status_code == 200
+    # a non-ASCII key is compared as bytes (hmac.compare_digest would raise on non-ASCII str)
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer ключ".encode()})
+    assert r.status_code == 401
+    with ServerThread(create_app(engine, api_key=KEY, enable_metrics=True, metrics_no_auth=True)) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 200  # opened for a scraper
+        assert httpx.get(srv.url + "/get_server_info").status_code == 401
+
+
+def test_state_changing_routes_are_post_only(http):
+    r = http.get("/flush_cache")
+    assert r.status_code == 405, r.text
+    _wait_idle(http)
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_request_body_is_bounded(engine):
+    with ServerThread(create_app(engine, max_body_bytes=10_000)) as srv:
+        body = {"text": "x" * 20_000, "sampling_params": {"max_new_tokens": 1}}
+        r = httpx.post(srv.url + "/generate", json=body)
+        assert r.status_code == 413 and "10000 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(20):
+                yield b" " * 1000
+
+        r = httpx.post(srv.url + "/generate", content=chunks())
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+        assert ok.status_code == 200
+
+
+class _GrammarLimits:
+    """Set the session engine's grammar-cache limits for one test, and restore them after."""
+
+    def __init__(self, engine, **limits):
+        self.cache, self.limits = engine.grammars, limits
+
+    def __enter__(self):
+        self.saved = {k: getattr(self.cache, k) for k in self.limits}
+        self.cache.configure(**self.limits)
+        return self.cache
+
+    def __exit__(self, *exc):
+        self.cache.configure(**self.saved)
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^lmc:{name}\{{.*\}} (\S+)", text, re.M).group(1))
+
+
+def test_distinct_regexes_are_evicted_and_counted(http, engine):
+    with _GrammarLimits(engine, max_entries=4):
+        before = _metric(http.get("/metrics").text, "grammar_cache_evictions_total")
+        for i in range(10):
+            r = http.post("/generate", json={"text": "Code:", "sampling_params": {
+                "max_new_tokens": 3, "temperature": 0, "regex": f"[0-9]{{3}}-{i}x"}})
+            assert r.status_code == 200 and re.fullmatch(r"[0-9]{1,3}", r.json()["text"]), r.text
+        text = http.get("/metrics").text
+        assert _metric(text, "grammar_cache_entries") <= 4 == len(engine.grammars.compiled)
+        assert _metric(text, "grammar_cache_evictions_total") >= before + 6
+        assert _metric(text, "grammar_compiles_total") >= 10
+
+
+def _slow_regex(n: int) -> str:
+    return "[a-z ]{1,%d}" % n  # xgrammar needs seconds to compile this (its token-mask cache grows with n)
+
+
+def test_grammar_compile_timeout_is_a_400_naming_the_constraint(http, engine):
+    with _GrammarLimits(engine, compile_timeout=0.2):
+        t0 = time.monotonic()
+        r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2,
+                                                                         "regex": _slow_regex(3001)}})
+        assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+        assert "did not compile within 0.2 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+    assert _metric(http.get("/metrics").text, "grammar_compile_timeouts_total") >= 1
+
+
+def test_grammar_compilation_does_not_block_the_event_loop(server, http, engine):
+    """While a grammar compiles for seconds (and a long prompt is tokenized), /health keeps answering: its worst
+    latency is a fraction of the compile's (on the event loop, it would wait the whole compile)."""
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as c:
+            t0 = time.perf_counter()
+            slow = asyncio.ensure_future(c.post("/generate", json={"text": "Hi", "sampling_params": {
+                "max_new_tokens": 1, "regex": _slow_regex(3002)}}))
+            long = asyncio.ensure_future(c.post("/tokenize", json={"prompt": "many words " * 20000}))
+            await asyncio.sleep(0.2)
+            worst = 0.0
+            while not slow.done():
+                t1 = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                worst = max(worst, time.perf_counter() - t1)
+                await asyncio.sleep(0.02)
+            return worst, time.perf_counter() - t0, await slow, await long
+
+    worst, took, slow, long = asyncio.run(main())
+    assert slow.status_code == 200 and long.status_code == 200, (slow.text, long.text)
+    assert took > 1.0 and worst < took / 3, (worst, took)
+
+
+# ---- SGLang's worker API (what SGLang's clients send and read) ---------------------------------------------------
+def test_sglang_fields_at_their_defaults_are_accepted_and_others_refused_by_name(http):
+    bench = {"text": "Hello", "sampling_params": {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True},
+             "stream": False, "lora_path": None, "return_logprob": False, "return_routed_experts": False,
+             "logprob_start_len": -1, "image_data": None, "bootstrap_room": None, "routing_key": "user-7",
+             "custom_labels": {"team": "a"}, "priority": None}  # SGLang's serving benchmark client, and friends
+    r = http.post("/generate", json=bench)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
+    for field, value in (("return_routed_experts", True), ("lora_path", "adapter"), ("priority", 3),
+                         ("extra_key", "tenant"), ("bootstrap_room", 12), ("image_data", ["x.png"])):
+        r = http.post("/generate", json={**bench, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert field in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "return_routed_experts": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
+    r = http.post("/generate", json={**bench, "return_wishes": False})  # a field nobody defines stays a 400
+    assert r.status_code == 400 and "unknown field 'return_wishes'" in r.json()["error"]["message"]
+
+
+def test_cached_tokens_details_are_reported_when_asked(http):
+    body = {"prompt": "A shared opening line for the cache report. " * 8 + "Go", "max_tokens": 1,
+            "temperature": 0, "return_cached_tokens_details": True}
+    http.post("/v1/completions", json=body)
+    r = http.post("/v1/completions", json=body).json()
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and r["sglext"] == {"cached_tokens_details": {"device": cached, "host": 0}}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "return_cached_tokens_details": False}).json()
+    assert "sglext" not in r
+
+
+def test_streamed_generate_events_carry_token_counts(http):
+    prompt = "Counting upward: one, two, three,"
+    http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 1}})  # warm the cache
+    events = _sse_events(http, {"text": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert all("cached_tokens" in e["meta_info"] for e in events)
+    assert counts == sorted(counts) and counts[-1] == 8 and counts[0] >= 1, counts
+    assert events[0]["meta_info"]["cached_tokens"] == events[-1]["meta_info"]["cached_tokens"] > 0

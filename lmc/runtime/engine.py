@@ -266,11 +266,19 @@ class Engine:
             if not fut.done():  # the consumer stopped early
                 self.abort(fut.rid)
 
-    async def async_stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts):
+    async def async_stream(self, prompt=None, sampling_params=None, input_ids=None, *, executor=None,
+                           **logprob_opts):
+        """`executor`: where validation, tokenization and grammar compilation run (a server's worker pool, so that
+        they never block its event loop); by default in this thread. A RequestError is raised by the first
+        `__anext__`."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
+        req = None
+        if executor is not None:  # cancelled while it runs, the request is dropped unsubmitted
+            req = await loop.run_in_executor(executor, lambda: self.make_request(
+                prompt, sampling_params, input_ids, **logprob_opts))
         fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts,
-                                     lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c))
+                                     lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c), req)
         try:
             while (chunk := await chunks.get()) is not None:
                 yield chunk
@@ -279,15 +287,22 @@ class Engine:
             if not fut.done():  # closed or cancelled before the end
                 self.abort(fut.rid)
 
-    def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push) -> RequestFuture:
+    def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push,
+                          req: Req | None = None) -> RequestFuture:
+        """Submit a streamed request (`req`, when already made by make_request). Its chunks also carry
+        `completion_tokens` and `cached_tokens` so far (SGLang's streamed meta_info has both in every event)."""
         fut = RequestFuture()
         fut.add_done_callback(lambda f: push(None))
         try:
-            req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
+            req = req or self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
         except RequestError as e:
             fut.set_exception(e)
             return fut
-        req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push)
+
+        def push_counted(chunk: dict) -> None:  # called on the scheduler thread, right after `req` advanced
+            push({**chunk, "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens})
+
+        req.on_progress = _Deltas(self.tokenizer, req.params.stop or (), push_counted)
         self._enqueue(req, fut)
         return fut
 

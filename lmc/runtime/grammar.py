@@ -21,6 +21,9 @@ import bisect
 import json
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from .core import RequestError, SamplingParams
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+_UNCHANGED = object()
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -59,22 +63,71 @@ def _short(text: str, n: int = 200) -> str:
     return text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
 
 
+class GrammarBusy(RequestError):
+    """Too many grammars are compiling at once (the request may be retried later; a server answers 503)."""
+
+
 class GrammarCache:
     """Compiled grammars keyed by (kind, text), over one xgrammar compiler built lazily from the HF tokenizer.
 
-    `compiled` is the dict of compiled grammars: identical grammars (e.g. a batch of requests sharing a schema)
-    compile once. `compiles` counts actual compilations. Thread-safe: callers compile in their own threads."""
+    `compiled` is an LRU of compiled grammars: identical grammars (e.g. a batch of requests sharing a schema)
+    compile once. It holds at most `max_entries` grammars and `max_bytes` of them (xgrammar's own estimate); the
+    least recently used are evicted (`evictions` counts them). `compiles` counts actual compilations.
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (), max_threads: int = 2):
+    A compilation runs in a thread of this cache's own pool and is waited for at most `compile_timeout` seconds
+    (RequestError naming the grammar past that). xgrammar cannot be interrupted, so a timed-out compilation goes
+    on in its thread (its result is then cached); at most `max_compiling` compilations run or wait at once, and
+    beyond that `compile` raises GrammarBusy at once. Concurrent requests for the same grammar share one
+    compilation. Thread-safe: callers compile in their own threads (Engine.make_request)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (), max_threads: int = 2,
+                 max_entries: int = 256, max_bytes: int = 1 << 30, compile_timeout: float | None = 30.0,
+                 max_compiling: int = 4):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_threads = max_threads
-        self.compiled: dict[tuple[str, str], Any] = {}
-        self.compiles = 0
+        self.compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.compiles = self.evictions = self.timeouts = 0
         self._compiler = None
         self.info = None  # xgrammar TokenizerInfo, built with the compiler
         self._jump = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the compiler's creation
+        self._state = threading.Lock()  # guards compiled, _running and the counters
+        self._running: dict[tuple[str, str], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self.configure(max_entries=max_entries, max_bytes=max_bytes, compile_timeout=compile_timeout,
+                       max_compiling=max_compiling)
+
+    def configure(self, *, max_entries: int | None = None, max_bytes: int | None = None,
+                  compile_timeout: Any = _UNCHANGED, max_compiling: int | None = None) -> None:
+        """Change the limits (a server sets them from its flags; None leaves one as it is, except compile_timeout
+        where None means no timeout); evicts down to the new bounds at once."""
+        if max_entries is not None:
+            if max_entries < 1:
+                raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+            self.max_entries = max_entries
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+        if compile_timeout is not _UNCHANGED:
+            if compile_timeout is not None and compile_timeout <= 0:
+                raise ValueError(f"compile_timeout must be > 0 seconds or None, got {compile_timeout}")
+            self.compile_timeout = compile_timeout
+        if max_compiling is not None:
+            if max_compiling < 1:
+                raise ValueError(f"max_compiling must be >= 1, got {max_compiling}")
+            with self._state:
+                if self._pool is not None and max_compiling != self.max_compiling:
+                    self._pool.shutdown(wait=False)  # running compilations finish in their threads
+                    self._pool = None
+                self.max_compiling = max_compiling
+        with self._state:
+            self._evict()
+
+    def stats(self) -> dict[str, int]:
+        with self._state:
+            return {"entries": len(self.compiled), "bytes": self.cached_bytes, "compiles": self.compiles,
+                    "evictions": self.evictions, "timeouts": self.timeouts, "compiling": len(self._running),
+                    "max_entries": self.max_entries}
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -84,7 +137,8 @@ class GrammarCache:
             # Jump-forward's tokenizer tables (~0.1 s), built here so the first compile (in a caller's thread)
             # pays for them rather than the scheduler loop.
             self._jump = JumpForward(self.tokenizer, self.info, self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads)
+            # xgrammar's own cache is off: it is unbounded, and `compiled` is the (bounded) cache.
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads, cache_enabled=False)
         return self._compiler
 
     def jump_forward(self) -> "JumpForward | None":
@@ -97,14 +151,36 @@ class GrammarCache:
 
     def compile(self, kind: str, text: str):
         key = (kind, text)
-        hit = self.compiled.get(key)
-        if hit is not None:
-            return hit
-        with self._lock:
+        if self._compiler is None:  # built once, in the caller's thread: not part of any grammar's timeout
+            with self._lock:
+                self._get_compiler()
+        with self._state:
             hit = self.compiled.get(key)
             if hit is not None:
+                self.compiled.move_to_end(key)
                 return hit
-            compiler = self._get_compiler()
+            fut = self._running.get(key)
+            if fut is None:
+                if len(self._running) >= self.max_compiling:
+                    raise GrammarBusy(f"{len(self._running)} grammars are compiling already (the limit); "
+                                      f"retry the {kind} request later")
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.max_compiling, thread_name_prefix="lmc-grammar")
+                fut = self._running[key] = Future()
+                self._pool.submit(self._compile_into, key, fut)
+        try:
+            return fut.result(timeout=self.compile_timeout)
+        except FutureTimeout:
+            with self._state:
+                self.timeouts += 1
+            raise RequestError(f"invalid {kind} {_short(text)!r}: it did not compile within "
+                               f"{self.compile_timeout:g} s; simplify it") from None
+
+    def _compile_into(self, key: tuple[str, str], fut: Future) -> None:
+        """In a pool thread: compile `key`, cache it, resolve `fut` (RequestError when the grammar is invalid)."""
+        kind, text = key
+        compiler = self._compiler
+        try:
             try:
                 if kind == "regex":
                     cg = compiler.compile_regex(text)
@@ -117,9 +193,30 @@ class GrammarCache:
             except Exception as e:  # xgrammar raises RuntimeError with a log-style prefix
                 msg = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
                 raise RequestError(f"invalid {kind} {_short(text)!r}: {msg}") from None
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting callers
+            with self._state:
+                del self._running[key]
+            fut.set_exception(e)
+            return
+        with self._state:
+            del self._running[key]
             self.compiles += 1
             self.compiled[key] = cg
-            return cg
+            self._evict()
+        fut.set_result(cg)
+
+    def _evict(self) -> None:
+        """Drop least recently used grammars beyond the bounds; the most recent one always stays (it may alone
+        exceed max_bytes). The caller holds _state."""
+        while len(self.compiled) > 1 and (len(self.compiled) > self.max_entries or
+                                          self.cached_bytes > self.max_bytes):
+            self.compiled.popitem(last=False)
+            self.evictions += 1
+
+    @property
+    def cached_bytes(self) -> int:
+        """Memory of the cached grammars, by xgrammar's estimate (summed: entries are few)."""
+        return sum(cg.memory_size_bytes for cg in list(self.compiled.values()))
 
     def matcher(self, params: SamplingParams):
         """A fresh GrammarMatcher for the request's grammar, or None when it has none."""

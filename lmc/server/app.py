@@ -10,14 +10,20 @@ Routes (DESIGN 6):
     POST /generate                                  SGLang-native: text or input_ids, single or batch,
                                                     max_new_tokens 0, logprobs with logprob_start_len, streaming
     GET  /get_model_info (/model_info), /get_server_info (/server_info)
-    GET|POST /flush_cache
+    POST /flush_cache                               (state-changing routes are POST only: a GET is a 405)
     GET  /health, /health_generate, /metrics
 
 Every bad request gets a 4xx JSON error naming the problem (OpenAI's shape: {"error": {"message", "type",
-"param", "code"}}); nothing a client sends reaches the engine unvalidated, and an error in one request never
-affects another. A client that disconnects (mid-stream, or while waiting for a non-streamed response) has its
-requests aborted in the engine: decoding stops and their KV slots are released, which `/get_server_info` shows
-(free + cached + request-owned == total).
+"param", "code"}}); nothing a client sends reaches the engine unvalidated (protocol.py parses bodies strictly and
+holds the server's limits), and an error in one request never affects another. With an API key, every route but
+/health needs it (/metrics too, unless `metrics_no_auth`); see guard.py, which also bounds the body (413).
+
+The event loop never waits on tokenization, chat-template rendering, body parsing or grammar compilation: they run
+in the service's worker pool (`_Service.offload`), and requests are submitted to the engine from there.
+
+A client that disconnects (mid-stream, or while waiting for a non-streamed response) has its requests aborted in
+the engine: decoding stops and their KV slots are released, which `/get_server_info` shows (free + cached +
+request-owned == total).
 
 Streaming `/generate` follows SGLang: one prompt streams events whose `text` is the output so far; a batch (a list
 of prompts, or n > 1) interleaves the events of all its requests, each marked with its position in the batch
@@ -26,11 +32,13 @@ of prompts, or n > 1) interleaves the events of all its requests, each marked wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -38,12 +46,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .guard import Guard
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, Limits, check_limits,
+                       error_body, load_json, parse_body, validation_message)
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key (load balancers, Prometheus)
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 SGLANG_SAMPLING_DEFAULTS = {  # SGLang keys lmc accepts only at their default value (they change nothing here)
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
     "stop_regex": [], "custom_params": None, "structural_tag": None, "stream_interval": None,
@@ -51,20 +61,8 @@ SGLANG_SAMPLING_DEFAULTS = {  # SGLang keys lmc accepts only at their default va
 _NO_VALUE = object()
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-
 class ClientGone(Exception):
     """The client closed the connection before its response was ready (its engine requests were aborted)."""
-
-
-def _error_body(status: int, message: str, type_: str = "invalid_request_error", param=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}, "object": "error",
-            "message": message}
 
 
 def slot_accounting(engine) -> dict[str, Any]:
@@ -94,9 +92,11 @@ def slot_accounting(engine) -> dict[str, Any]:
 
 
 class _Service:
-    """Request handling shared by the routes (holds the engine, tokenizer and metrics)."""
+    """Request handling shared by the routes (holds the engine, tokenizer, metrics, limits and the worker pool in
+    which tokenization, template rendering, body parsing and request submission run)."""
 
-    def __init__(self, engine, served_model_name: str, server_args: dict, max_pending: int):
+    def __init__(self, engine, served_model_name: str, server_args: dict, max_pending: int, limits: Limits,
+                 worker_threads: int):
         from ..frontend.chat_template import ChatTemplate
 
         self.engine, self.tok = engine, engine.tokenizer
@@ -105,15 +105,34 @@ class _Service:
         self.metrics = Metrics(served_model_name)
         self.template = ChatTemplate.from_tokenizer(self.tok)
         self.max_pending = max_pending
+        self.limits = limits
+        self.vocab_size = engine.runner.cfg.vocab_size
+        self.pool = ThreadPoolExecutor(worker_threads, thread_name_prefix="lmc-server")
         self.pending = 0
         self.started = time.time()
         self._tok_text: dict[int, str] = {}
+        # A text of more characters than this cannot fit the context whatever its tokens (each token spells at
+        # most `longest` characters; x2 for normalizers that fold characters): refused before tokenizing it.
+        longest = max((len(t) for t in self.tok.get_vocab()), default=1) if self.tok is not None else 1
+        self.max_prompt_chars = 2 * longest * engine.context_length
 
     # ---- helpers -------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    async def offload(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the worker pool (CPU work that must not stall the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    async def parse(self, request: Request, model):
+        """The request body as `model` (parsed in the worker pool), or ApiError(400) naming the problem."""
+        return await self.offload(parse_body, await request.body(), model)
+
+    def encode(self, text: str, field: str = "prompt", **kw) -> list[int]:
+        """Token ids of a prompt (call it in the worker pool); ApiError(400) naming `field` when it cannot be."""
         if self.tok is None:
-            raise ApiError(400, f"model {self.model!r} has no tokenizer: send input_ids / token-id prompts")
-        return self.tok.encode(text)
+            raise ApiError(400, f"model {self.model!r} has no tokenizer: send input_ids / token-id prompts", field)
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"{field} has {len(text)} characters, more than the model's context length of "
+                                f"{self.engine.context_length} tokens can hold; shorten it", field)
+        return self.tok.encode(text, **kw)
 
     def token_text(self, tid: int) -> str:
         s = self._tok_text.get(tid)
@@ -124,6 +143,9 @@ class _Service:
         return s
 
     def admit(self, k: int = 1) -> None:
+        if k > self.max_pending:  # could never be admitted: the request's fault, not the server's load
+            raise ApiError(400, f"the request makes {k} engine requests (prompts x n); this server takes at most "
+                                f"{self.max_pending} at once", "n")
         if self.pending + k > self.max_pending:
             raise ApiError(503, f"the server is overloaded ({self.pending} requests in flight, limit "
                                 f"{self.max_pending}); retry later", type_="overloaded_error")
@@ -135,7 +157,12 @@ class _Service:
         from ..runtime.core import RequestError
 
         start = time.perf_counter()
-        fut = self.engine.submit(None, params, ids)
+        submitted = self.pool.submit(self.engine.submit, None, params, ids)  # validates, compiles a grammar
+        try:
+            fut = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:  # gone while being submitted: abort it once it is in the engine
+            submitted.add_done_callback(_abort_once_submitted(self.engine))
+            raise
         try:
             r = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -143,18 +170,21 @@ class _Service:
                 self.engine.abort(fut.rid)
             raise
         except RequestError as e:
-            raise ApiError(400, str(e)) from None
+            raise _refused(e) from None
         except Exception as e:
             log.exception("request failed in the engine")
             raise ApiError(500, f"the engine failed the request: {type(e).__name__}: {e}") from None
         self.metrics.finished(r["meta_info"], start, _structured(params))
         return r
 
-    async def run_all(self, items: list[tuple[list[int], dict]]) -> list[dict]:
-        """Every item to completion, or the first error (the other requests are aborted)."""
+    async def run_all(self, items: list[tuple[list[int], dict]], keep_failures: bool = False) -> list:
+        """Every item to completion, or the first error (the other requests are aborted). `keep_failures`: an
+        item the engine failed (5xx) is returned as its exception and the others go on; a refused one (4xx: the
+        request is bad) still fails them all."""
         self.admit(len(items))
         try:
-            tasks = [asyncio.ensure_future(self.run(ids, p)) for ids, p in items]
+            tasks = [asyncio.ensure_future(self._kept(self.run(ids, p)) if keep_failures else self.run(ids, p))
+                     for ids, p in items]
             try:
                 return await asyncio.gather(*tasks)
             except BaseException:
@@ -165,17 +195,26 @@ class _Service:
         finally:
             self.pending -= len(items)
 
+    @staticmethod
+    async def _kept(run):
+        try:
+            return await run
+        except ApiError as e:
+            if e.status < 500:
+                raise
+            return e
+
     async def stream(self, ids: list[int], params: dict) -> "_EngineStream":
         """The engine's stream of one request. The first chunk is awaited before returning, so a refused request
         raises ApiError before any byte is sent. The caller has admitted it and must close it."""
         from ..runtime.core import RequestError
 
         start = time.perf_counter()
-        gen = self.engine.async_stream(None, params, ids)
+        gen = self.engine.async_stream(None, params, ids, executor=self.pool)
         try:
             first = await gen.__anext__()
         except RequestError as e:
-            raise ApiError(400, str(e)) from None
+            raise _refused(e) from None
         except StopAsyncIteration:
             raise ApiError(500, "the engine ended the stream without a result") from None
         return _EngineStream(self, gen, first, start, _structured(params))
@@ -184,6 +223,22 @@ class _Service:
         fr = meta.get("finish_reason") or {}
         if fr.get("type") == "abort":
             raise ApiError(500, f"the request was aborted: {fr.get('message')}", type_="server_error")
+
+
+def _refused(e: Exception) -> ApiError:
+    """The engine's RequestError as the HTTP error: 400, or 503 when it is about load (GrammarBusy)."""
+    from ..runtime.grammar import GrammarBusy
+
+    if isinstance(e, GrammarBusy):
+        return ApiError(503, str(e), type_="overloaded_error")
+    return ApiError(400, str(e))
+
+
+def _abort_once_submitted(engine):
+    def callback(submitted) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            engine.abort(submitted.result().rid)  # a refused request has rid None: ignored
+    return callback
 
 
 class _EngineStream:
@@ -282,23 +337,29 @@ def _openai_params(svc: _Service, req, prompt_len: int, max_tokens: int | None, 
     return p
 
 
-def _validate_params(p: dict) -> None:
-    """Fail fast (400) on a bad sampling value, before any request is queued."""
+def _validate_params(svc: _Service, p: dict) -> None:
+    """Fail fast (400) on a bad sampling value or one beyond the server's limits, before any request is queued."""
     from ..runtime.core import RequestError, SamplingParams
 
+    for name in ("stop", "stop_token_ids", "token_ids_logprob"):  # a scalar where a list belongs
+        if p.get(name) is not None and not isinstance(p[name], list) and not (name == "stop" and
+                                                                            isinstance(p[name], str)):
+            raise ApiError(400, f"invalid sampling parameter {name}={p[name]!r}: must be a list", name)
     try:
         SamplingParams.from_dict(dict(p))
     except RequestError as e:
-        raise ApiError(400, str(e)) from None
+        named = re.match(r"invalid sampling parameter (\w+)", str(e))
+        raise ApiError(400, str(e), named and named.group(1)) from None
     except TypeError as e:
         raise ApiError(400, f"invalid sampling parameters: {e}") from None
+    check_limits(p, svc.vocab_size, svc.limits)
 
 
-def _n_params(p: dict, n: int) -> list[dict]:
-    if n < 1:
-        raise ApiError(400, f"n must be >= 1, got {n}", "n")
-    if n > 128:
-        raise ApiError(400, f"n must be <= 128, got {n}", "n")
+def _n_params(svc: _Service, p: dict, n: int) -> list[dict]:
+    if not isinstance(n, int) or n < 1:
+        raise ApiError(400, f"n must be an integer >= 1, got {n!r}", "n")
+    if n > svc.limits.max_n:
+        raise ApiError(400, f"n must be <= {svc.limits.max_n}, got {n}", "n")
     seed = p.get("seed")
     return [{**p, "seed": None if seed is None else seed + i} for i in range(n)]
 
@@ -318,6 +379,15 @@ def _usage(results: list[dict], prompts: list[int]) -> dict:
         per_prompt.setdefault(r["_prompt_index"], r["meta_info"].get("cached_tokens", 0))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
+
+
+def _with_sglext(req, response: dict) -> dict:
+    """SGLang's response extension: with return_cached_tokens_details, where the cached prompt tokens came from
+    (lmc's prefix cache is all in device memory: no host tier)."""
+    if req.return_cached_tokens_details:
+        cached = response["usage"]["prompt_tokens_details"]["cached_tokens"]
+        response["sglext"] = {"cached_tokens_details": {"device": cached, "host": 0}}
+    return response
 
 
 def _chat_logprobs(svc: _Service, meta: dict, top: int) -> dict:
@@ -395,11 +465,16 @@ async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int,
 
 # ---- the app ---------------------------------------------------------------------------------------------------
 def create_app(engine, api_key: str | None = None, *, served_model_name: str | None = None,
-               enable_metrics: bool = True, server_args: dict | None = None, max_pending: int = 4096) -> FastAPI:
+               enable_metrics: bool = True, server_args: dict | None = None, max_pending: int = 4096,
+               metrics_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               limits: Limits | None = None, worker_threads: int = 4):
     """An ASGI app serving `engine` (a lmc.runtime.Engine). `api_key`: required as `Authorization: Bearer KEY`
-    (or `x-api-key`) on every route but /health and /metrics. `max_pending`: requests in flight beyond which the
-    server answers 503."""
-    svc = _Service(engine, served_model_name or engine.model_name, dict(server_args or {}), max_pending)
+    (or `x-api-key`) on every route but /health, and /metrics when `metrics_no_auth` (for a scraper).
+    `max_pending`: requests in flight beyond which the server answers 503. `max_body_bytes`: larger request
+    bodies get a 413. `limits`: what one request may ask for (protocol.Limits). `worker_threads`: the pool that
+    tokenizes, parses and submits off the event loop."""
+    svc = _Service(engine, served_model_name or engine.model_name, dict(server_args or {}), max_pending,
+                   limits or Limits(), worker_threads)
     app = FastAPI(title="lmc", version=_version())
     app.state.service = svc
 
@@ -407,94 +482,39 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
     async def _api_error(request: Request, exc: ApiError):
         if exc.status < 500:
             svc.metrics.bad_request()
-        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
+        return JSONResponse(error_body(exc.status, exc.message, exc.type, exc.param), status_code=exc.status)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):
         return Response(status_code=499)  # nginx's "client closed request"; nobody is left to read it
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):  # path or query parameters
         svc.metrics.bad_request()
-        parts = []
-        try:
-            raw = await request.body()
-            json.loads(raw)
-        except ValueError as e:
-            msg = f"malformed JSON body: {e}"
-            return JSONResponse(_error_body(400, msg), status_code=400)
-        except Exception:  # noqa: BLE001 - the body was consumed: describe the validation errors instead
-            pass
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            if err.get("type") == "json_invalid":
-                parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            elif not loc and err.get("type") in ("dict_type", "model_attributes_type"):
-                parts.append("the request body must be a JSON object")
-            elif err.get("type") == "extra_forbidden":
-                parts.append(f"unknown field {loc!r}")
-            else:
-                parts.append(f"{loc}: {err.get('msg')}" if loc else err.get("msg", "invalid request"))
-        msg = "; ".join(dict.fromkeys(parts)) or "invalid request"
-        return JSONResponse(_error_body(400, msg), status_code=400)
+        return JSONResponse(error_body(400, validation_message(exc.errors())), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        if exc.status_code < 500:
+            svc.metrics.bad_request()
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
                             status_code=500)
 
-    if api_key:
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path not in OPEN_PATHS:
-                auth = request.headers.get("authorization", "")
-                given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
-                if given != api_key:
-                    svc.metrics.bad_request()
-                    return JSONResponse(_error_body(401, "invalid or missing API key (send Authorization: Bearer "
-                                                         "<key>)", "authentication_error"), status_code=401)
-            return await call_next(request)
+    open_paths = {"/health"} | ({"/metrics"} if metrics_no_auth else set())
+    app.add_middleware(Guard, api_key=api_key, open_paths=open_paths, max_body_bytes=max_body_bytes,
+                       on_refused=svc.metrics.bad_request)
 
     # ---- OpenAI: completions -----------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        _check_model(svc, req.model)
-        if req.suffix:
-            raise ApiError(400, "suffix is not supported", "suffix")
-        if req.best_of not in (None, 1, req.n):
-            raise ApiError(400, "best_of is not supported (use n)", "best_of")
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise ApiError(400, "logprobs must be in [0, 20]", "logprobs")
-        prompts = req.prompt
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        texts, id_lists = [], []
-        for p in prompts:
-            if isinstance(p, str):
-                texts.append(p)
-                id_lists.append(svc.encode(p))
-            else:
-                texts.append(svc.tok.decode(p) if svc.tok is not None else "")
-                id_lists.append(list(p))
-        constraint = _constraint(req, req.response_format)
-        items, prompt_index = [], []
-        for k, ids in enumerate(id_lists):
-            p = {**_openai_params(svc, req, len(ids), req.max_tokens, 16), **constraint}
-            if req.logprobs is not None:
-                p.update(return_logprob=True, top_logprobs_num=req.logprobs)
-                if req.echo:
-                    p["logprob_start_len"] = 0
-            _validate_params(p)
-            for q in _n_params(p, req.n):
-                items.append((ids, q))
-                prompt_index.append(k)
+    async def completions(request: Request):
+        req = await svc.parse(request, CompletionRequest)
+        texts, id_lists, items, prompt_index = await svc.offload(_completion_items, svc, req)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice_logprobs(meta, k):
@@ -536,19 +556,19 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
             choices.append({"index": i, "text": (texts[k] if req.echo else "") + r["text"],
                             "logprobs": choice_logprobs(r["meta_info"], k), "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
-                "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])}
+        return _with_sglext(req, {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
+                                  "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])})
 
     # ---- OpenAI: chat completions ------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        req = await svc.parse(request, ChatCompletionRequest)
         _check_model(svc, req.model)
         if req.tools:
             raise ApiError(400, "tools are not supported by this server", "tools")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise ApiError(400, "top_logprobs must be in [0, 20]", "top_logprobs")
-        text = _render_chat(svc, req)
-        ids = svc.encode(text)
+        ids = await svc.offload(lambda: svc.encode(_render_chat(svc, req), "messages"))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         constraint = _constraint(req, req.response_format)
         p = {**_openai_params(svc, req, len(ids), max_tokens, None), **constraint}
@@ -557,8 +577,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         top = req.top_logprobs or 0
         if req.logprobs:
             p.update(return_logprob=True, top_logprobs_num=top)
-        _validate_params(p)
-        items = [(ids, q) for q in _n_params(p, req.n)]
+        _validate_params(svc, p)
+        items = [(ids, q) for q in _n_params(svc, p, req.n)]
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if req.stream:
@@ -599,8 +619,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
                             "logprobs": _chat_logprobs(svc, r["meta_info"], top) if req.logprobs else None,
                             "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
-                "choices": choices, "usage": _usage(results, [len(ids)])}
+        return _with_sglext(req, {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
+                                  "choices": choices, "usage": _usage(results, [len(ids)])})
 
     @app.get("/v1/models")
     async def models():
@@ -616,8 +636,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
 
     # ---- SGLang-native -----------------------------------------------------------------------------------
     @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request):
-        return await _native_generate(svc, req, request)
+    async def generate(request: Request):
+        return await _native_generate(svc, await svc.parse(request, GenerateRequest), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -626,14 +646,14 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         if unknown:
             raise ApiError(400, f"unknown field(s) {sorted(unknown)}")
         prompt = body.get("prompt", body.get("text"))
-        if svc.tok is None:
-            raise ApiError(400, f"model {svc.model!r} has no tokenizer")
-        special = bool(body.get("add_special_tokens", True))
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise ApiError(400, "add_special_tokens must be a boolean", "add_special_tokens")
         if isinstance(prompt, str):
-            ids = svc.tok.encode(prompt, add_special_tokens=special)
+            ids = await svc.offload(svc.encode, prompt, add_special_tokens=special)
             return {"tokens": ids, "count": len(ids), "max_model_len": svc.engine.context_length}
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            ids = [svc.tok.encode(p, add_special_tokens=special) for p in prompt]
+            ids = await svc.offload(lambda: [svc.encode(p, add_special_tokens=special) for p in prompt])
             return {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": svc.engine.context_length}
         raise ApiError(400, "prompt must be a string or a list of strings", "prompt")
 
@@ -643,7 +663,8 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         tokens = body.get("tokens")
         if svc.tok is None or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ApiError(400, "tokens must be a list of token ids", "tokens")
-        return {"text": svc.tok.decode(tokens)}
+        _check_token_ids(svc, tokens, "tokens")
+        return {"text": await svc.offload(svc.tok.decode, tokens)}
 
     @app.api_route("/get_model_info", methods=["GET"])
     @app.api_route("/model_info", methods=["GET"])
@@ -670,7 +691,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
                 "in_flight_requests": svc.pending, "internal_states": [{**_jsonable(stats), "slots": slots}],
                 "slots": slots}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # POST only (SGLang's clients POST): a page cannot trigger it with a plain GET
     async def flush_cache():
         ok = await asyncio.to_thread(svc.engine.flush_cache)
         if not ok:
@@ -701,7 +722,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
     async def metrics():
         if not enable_metrics:
             raise ApiError(404, "metrics are disabled: start the server with --enable-metrics")
-        text = svc.metrics.render(svc.engine.stats(), slot_accounting(svc.engine))
+        text = svc.metrics.render(svc.engine.stats(), slot_accounting(svc.engine), svc.engine.grammars.stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
@@ -709,13 +730,56 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
 
 # ---- route bodies ----------------------------------------------------------------------------------------------
 async def _json_object(request: Request, svc: _Service) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+    body = await svc.offload(load_json, await request.body())
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def _check_token_ids(svc: _Service, ids: list[int], field: str) -> None:
+    bad = next((t for t in ids if isinstance(t, bool) or not 0 <= t < svc.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"{field}: token id {bad} is outside the model's vocabulary [0, {svc.vocab_size})",
+                       field)
+
+
+def _completion_items(svc: _Service, req: CompletionRequest):
+    """(prompt texts, prompt ids, engine items, prompt index of each item) of a /v1/completions request (in the
+    worker pool: it tokenizes)."""
+    _check_model(svc, req.model)
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if req.best_of not in (None, 1, req.n):
+        raise ApiError(400, "best_of is not supported (use n)", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise ApiError(400, "logprobs must be in [0, 20]", "logprobs")
+    prompts = req.prompt
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    texts, id_lists = [], []
+    for p in prompts:
+        if isinstance(p, str):
+            texts.append(p)
+            id_lists.append(svc.encode(p))
+        else:
+            _check_token_ids(svc, p, "prompt")
+            texts.append(svc.tok.decode(p) if svc.tok is not None else "")
+            id_lists.append(list(p))
+    constraint = _constraint(req, req.response_format)
+    items, prompt_index = [], []
+    for k, ids in enumerate(id_lists):
+        p = {**_openai_params(svc, req, len(ids), req.max_tokens, 16), **constraint}
+        if req.logprobs is not None:
+            p.update(return_logprob=True, top_logprobs_num=req.logprobs)
+            if req.echo:
+                p["logprob_start_len"] = 0
+        _validate_params(svc, p)
+        for q in _n_params(svc, p, req.n):
+            items.append((ids, q))
+            prompt_index.append(k)
+    return texts, id_lists, items, prompt_index
 
 
 def _check_model(svc: _Service, model: str | None) -> None:
@@ -805,10 +869,10 @@ class _EventStream(StreamingResponse):
             async for event in out:
                 yield event
         except ApiError as e:
-            yield _sse(_error_body(e.status, e.message, e.type))
+            yield _sse(error_body(e.status, e.message, e.type))
         except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
             log.exception("a streamed request failed")
-            yield _sse(_error_body(500, f"{type(e).__name__}: {e}", "server_error"))
+            yield _sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
         finally:
             await out.aclose()
             await merged.aclose()
@@ -849,17 +913,10 @@ async def _unless_disconnected(request: Request, work):
 def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[int], dict]], bool, list[int]]:
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", "text")
-    if req.image_data not in (None, [], [None]):
-        raise ApiError(400, f"image_data: the model {svc.model!r} is text-only", "image_data")
-    for name in ("lora_path", "session_params", "custom_logit_processor"):
-        if getattr(req, name) not in (None, [], [None]):
-            raise ApiError(400, f"{name} is not supported by this server", name)
-    if req.return_hidden_states:
-        raise ApiError(400, "return_hidden_states is not supported by this server", "return_hidden_states")
     if req.text is not None:
         single = isinstance(req.text, str)
         prompts = [req.text] if single else list(req.text)
-        ids = [svc.encode(t) for t in prompts]
+        ids = [svc.encode(t, "text") for t in prompts]
     else:
         single = not (req.input_ids and isinstance(req.input_ids[0], list))
         ids = [list(req.input_ids)] if single else [list(x) for x in req.input_ids]
@@ -911,8 +968,8 @@ def _native_items(svc: _Service, req: GenerateRequest) -> tuple[list[tuple[list[
         if isinstance(p.get("logprob_start_len"), int) and p["logprob_start_len"] > len(ids[k]):
             raise ApiError(400, f"logprob_start_len ({p['logprob_start_len']}) exceeds the prompt length "
                                 f"({len(ids[k])})", "logprob_start_len")
-        _validate_params(p)
-        for q in (_n_params(p, n) if n > 1 else [p]):
+        _validate_params(svc, p)
+        for q in (_n_params(svc, p, n) if n > 1 else [p]):
             items.append((ids[k], q))
             index.append(k)
     return items, single and len(items) == 1, index
@@ -934,7 +991,7 @@ def _native_result(svc: _Service, r: dict, text_in_logprobs: bool, start: float)
 
 async def _native_generate(svc: _Service, req: GenerateRequest, request: Request):
     start = time.perf_counter()
-    items, single, _ = _native_items(svc, req)
+    items, single, _ = await svc.offload(_native_items, svc, req)
     if req.stream:
         async def events(merged):
             texts = [""] * len(items)
@@ -943,20 +1000,17 @@ async def _native_generate(svc: _Service, req: GenerateRequest, request: Request
                 if "meta_info" in c:
                     out = _native_result(svc, {**c, "text": texts[i]}, req.return_text_in_logprobs, start)
                 else:
-                    out = {"text": texts[i], "output_ids": [],
-                           "meta_info": {"id": None, "finish_reason": None, "prompt_tokens": len(items[i][0])}}
+                    out = {"text": texts[i], "output_ids": [],  # SGLang's clients read both counts in every event
+                           "meta_info": {"id": None, "finish_reason": None, "prompt_tokens": len(items[i][0]),
+                                         "completion_tokens": c["completion_tokens"],
+                                         "cached_tokens": c["cached_tokens"]}}
                 if not single:
                     out["index"] = i
                 yield _sse(out)
 
         return _EventStream(await _start_streams(svc, items), events)
 
-    svc.admit(len(items))
-    try:
-        outs = await _unless_disconnected(
-            request, asyncio.gather(*(svc.run(ids, p) for ids, p in items), return_exceptions=True))
-    finally:
-        svc.pending -= len(items)
+    outs = await _unless_disconnected(request, svc.run_all(items, keep_failures=True))
     if single and isinstance(outs[0], BaseException):
         raise outs[0]
     results = [_native_result(svc, out, req.return_text_in_logprobs, start) if not isinstance(out, BaseException)

@@ -70,10 +70,14 @@ class ServerThread:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           served_model_name: str | None = None, enable_metrics: bool = False, log_level: str = "info",
-          max_pending: int = 4096, **engine_kwargs) -> None:
-    """Load the model, then serve until interrupted (what `lmc serve` runs)."""
+          max_pending: int = 4096, metrics_no_auth: bool = False, max_body_bytes: int | None = None,
+          max_top_logprobs: int | None = None, grammar_cache_size: int | None = None,
+          grammar_compile_timeout: float | None = None, **engine_kwargs) -> None:
+    """Load the model, then serve until interrupted (what `lmc serve` runs). None leaves a limit at its default
+    (app.create_app, protocol.Limits, grammar.GrammarCache)."""
     from ..runtime import Engine
-    from .app import create_app
+    from .app import DEFAULT_MAX_BODY_BYTES, create_app
+    from .protocol import Limits
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,11 +86,15 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 30000, api_key: str |
     sock.bind((host, port))  # a port in use fails now, not after the model has loaded
     log.info("loading %s", model)
     engine = Engine(model, **engine_kwargs)
+    timeout = {} if grammar_compile_timeout is None else {"compile_timeout": grammar_compile_timeout}
+    engine.grammars.configure(max_entries=grammar_cache_size, **timeout)
     server_args = {"model_path": model, "host": host, "port": port, "api_key_set": bool(api_key),
                    "enable_metrics": enable_metrics, **{k: v for k, v in engine_kwargs.items()
                                                          if isinstance(v, (str, int, float, bool, type(None)))}}
+    limits = Limits() if max_top_logprobs is None else Limits(max_top_logprobs=max_top_logprobs)
     app = create_app(engine, api_key, served_model_name=served_model_name, enable_metrics=enable_metrics,
-                     server_args=server_args, max_pending=max_pending)
+                     server_args=server_args, max_pending=max_pending, metrics_no_auth=metrics_no_auth,
+                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, limits=limits)
     server = _uvicorn_server(app, sock, log_level)
     print(f"lmc serve: {engine.model_name} on http://{host}:{port} (OpenAI routes under /v1; native /generate)",
           flush=True)

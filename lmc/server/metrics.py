@@ -2,8 +2,8 @@
 
 Names follow SGLang's collector with the `lmc:` prefix (ecosystem notes 3.6): gauges for the queue, running
 requests, KV token usage, cache hit rate and generation throughput; counters for tokens and requests; histograms
-for time to first token (streamed requests), inter-token latency and end-to-end latency. Every series carries the
-`model_name` label.
+for time to first token (streamed requests), inter-token latency and end-to-end latency; the compiled-grammar
+cache (entries, bytes, compilations, evictions, timeouts). Every series carries the `model_name` label.
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ class Metrics:
             self._trim(now)
             return sum(g for _, g in self._recent) / self.WINDOW
 
-    def render(self, engine_stats: dict, slots: dict) -> str:
+    def render(self, engine_stats: dict, slots: dict, grammars: dict | None = None) -> str:
+        """The exposition text. `grammars`: GrammarCache.stats()."""
         labels = f'model_name="{self.model_name}"'
         total = max(1, slots["total_slots"])
         used = slots["total_slots"] - slots["free_slots"] - slots["evictable_slots"]
@@ -105,6 +106,19 @@ class Metrics:
             "gen_throughput": (f"Generated tokens per second over the last {self.WINDOW:.0f} s.", self.throughput()),
             "cached_slots": ("KV slots held by the radix cache.", slots["cached_slots"]),
         }
+        g = grammars or {}
+        gauges.update({
+            "grammar_cache_entries": ("Compiled grammars cached (LRU).", g.get("entries", 0)),
+            "grammar_cache_bytes": ("Memory of the cached grammars (xgrammar's estimate).", g.get("bytes", 0)),
+            "grammar_compiles_running": ("Grammar compilations running (timed-out ones included).",
+                                         g.get("compiling", 0)),
+        })
+        grammar_counters = {
+            "grammar_compiles_total": ("Grammars compiled.", g.get("compiles", 0)),
+            "grammar_cache_evictions_total": ("Compiled grammars evicted from the cache.", g.get("evictions", 0)),
+            "grammar_compile_timeouts_total": ("Requests refused because their grammar compiled too long.",
+                                               g.get("timeouts", 0)),
+        }
         helps = {
             "prompt_tokens_total": "Prompt tokens of finished requests.",
             "generation_tokens_total": "Generated tokens of finished requests.",
@@ -118,6 +132,8 @@ class Metrics:
         lines = []
         for name, (help_, value) in gauges.items():
             lines += [f"# HELP lmc:{name} {help_}", f"# TYPE lmc:{name} gauge", f"lmc:{name}{{{labels}}} {value}"]
+        for name, (help_, value) in grammar_counters.items():
+            lines += [f"# HELP lmc:{name} {help_}", f"# TYPE lmc:{name} counter", f"lmc:{name}{{{labels}}} {value}"]
         with self._lock:
             for name, value in self.counters.items():
                 lines += [f"# HELP lmc:{name} {helps[name]}", f"# TYPE lmc:{name} counter",
