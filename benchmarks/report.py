@@ -292,7 +292,7 @@ def render_speculation(r: dict, _dir: Path) -> str:
         b = r["robustness"]
         s = b["slots_after"]
         out.append(f"\nRobustness in the same run (once): {b['concurrent']} concurrent requests, {b['completed']} "
-                   f"completed, {len(b['failed'])} failed, in {fig(b['wall_s'])} s; bad requests answered "
+                   f"completed, {len(b['failed'])} failed, in {fig(b['wall_s'], 2, ' s')}; bad requests answered "
                    + ", ".join(f"{k}: {v}" for k, v in b["bad_requests"].items())
                    + f"; afterwards {s['request_owned_slots']} request-owned KV slots, free + cached + owned = "
                    f"{num(s['free_slots'])} + {num(s['cached_slots'])} + {num(s['request_owned_slots'])} of "
