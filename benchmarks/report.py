@@ -110,7 +110,7 @@ with its spread when not. Each section names the command that wrote its file. Th
 recorded with each run is printed with it.
 
 To regenerate: `make bench` re-runs the CPU benchmarks (`cpu_bench`, `frontend_overhead`, `compiler_bench`,
-`jump_forward_bench`, `speculation_bench`, with the sizes recorded below) and then this script; the H200 figures
+`jump_forward_bench`, `speculation_bench`, `soak_bench`, with the sizes recorded below) and then this script; the H200 figures
 come from `benchmarks/gpu_check.py` on the GPU machine (its command is in its section). A single benchmark:
 run the command printed in its section, then `python benchmarks/report.py`.
 
@@ -292,7 +292,7 @@ def render_speculation(r: dict, _dir: Path) -> str:
         b = r["robustness"]
         s = b["slots_after"]
         out.append(f"\nRobustness in the same run (once): {b['concurrent']} concurrent requests, {b['completed']} "
-                   f"completed, {len(b['failed'])} failed, in {fig(b['wall_s'])} s; bad requests answered "
+                   f"completed, {len(b['failed'])} failed, in {fig(b['wall_s'], 2, ' s')}; bad requests answered "
                    + ", ".join(f"{k}: {v}" for k, v in b["bad_requests"].items())
                    + f"; afterwards {s['request_owned_slots']} request-owned KV slots, free + cached + owned = "
                    f"{num(s['free_slots'])} + {num(s['cached_slots'])} + {num(s['request_owned_slots'])} of "
@@ -344,6 +344,28 @@ def render_jump_forward(r: dict, _dir: Path) -> str:
                 table(["corpus", "jump-forward", "finished", "invalid among finished", "forward passes per request",
                        "time"], vrows)]
     return "\n".join(out) + "\n"
+
+
+@section("soak.json")
+def render_soak(r: dict, _dir: Path) -> str:
+    rps, rss, objs, s, warm, g = (r["requests_per_s"], r["rss_mb"], r["python_objects"], r["slots_after"],
+                                  r["warm_prefix"], r["grammar_cache"])
+    kinds = ", ".join(f"{k} {num(v)}" for k, v in r["requests_by_kind"].items())
+    mem = [["RSS (MB)", num(rss["after_warmup"], 1), num(rss["first_round"], 1), num(rss["last_round"], 1),
+            num(rss["max"], 1)],
+           ["RSS after malloc_trim (MB)", "-", num(rss["after_trim_first_round"], 1),
+            num(rss["after_trim_last_round"], 1), "-"],
+           ["Python objects", "-", num(objs["first_round"]), num(objs["last_round"]), "-"]]
+    return "\n".join([
+        "## Soak: mixed and hostile traffic against `lmc serve`, CPU, embedded model\n",
+        f"{num(r['requests_total'])} requests in {r['rounds']} rounds over {num(r['duration_s'], 1)} s ({kinds}); "
+        f"wrong outcomes: **{num(r['problems_total'])}**. Requests/s per round: {num(rps['median'])} "
+        f"({num(rps['min'])}-{num(rps['max'])}, {r['rounds']} rounds). Afterwards: {s['request_owned_slots']} "
+        f"request-owned KV slots (slot accounting consistent: {'yes' if s['consistent'] else '**no**'}); the warm "
+        f"prefix had {num(warm['cached_tokens_after'])} of {num(warm['prompt_tokens'])} prompt tokens cached; the "
+        f"compiled-grammar cache held {g['entries']} of at most {g['max_entries']} entries ({g['compiles']} compiles, "
+        f"{g['evictions']} evictions, {g['timeouts']} timeouts).\n",
+        command(r), "", table(["memory", "after warm-up", "first round", "last round", "max"], mem)]) + "\n"
 
 
 def _register_suite() -> None:

@@ -2,8 +2,9 @@
 stay canonical, with the matcher and the KV rolled back to the first changed token.
 
 The validity sweep samples every grammar of `constrained_corpus.py` at temperature 1.0 with jump-forward on and
-off. CI runs LMC_CORPUS_SAMPLES (default 4) samples per grammar; the full 20-sample sweep (2,080 generations)
-runs in `benchmarks/jump_forward_bench.py --validity`, recorded in benchmarks/RESULTS.md.
+off. CI runs LMC_CORPUS_SAMPLES (default 4) samples per grammar; `benchmarks/jump_forward_bench.py --validity`
+runs the sweep with --samples per grammar (20 by default: 2,080 generations); benchmarks/RESULTS.md records the
+last run with its sample count.
 
 The session engine runs with check_invariants=True, so the scheduler also asserts after every jump that the
 output ids equal the tokenizer's canonical encoding of the output text (`canonical_checks` counts them), besides
