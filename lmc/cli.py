@@ -431,36 +431,40 @@ def _serve(args) -> int:
 
 # ---- argument parsing -------------------------------------------------------------------------------------------
 def _compile(args) -> int:
-    """Print the program's graph (text, DOT, Mermaid or JSON) and, for text, the compiler's report as comments."""
+    """Print the program's first segment (text, DOT, Mermaid or JSON) and the compiler's report: as comments after
+    the text form, as the `report` of the one JSON object with --emit json."""
     from lmc.frontend.chat_template import ChatTemplate
-    from lmc.frontend.tracer import TraceError
-    from lmc.ir.export import to_dot, to_json, to_mermaid
+    from lmc.ir.export import graph_dict, to_dot, to_mermaid
     from lmc.ir.text import print_graph
 
     path, prog = _load(args)
     concrete = {k: v for k, v in _parse_args(args.arg).items() if not isinstance(v, str)}
     compiled = prog.compile(hoist=args.hoist)
-    try:
-        g = compiled.graph(**concrete)
-    except TraceError as e:
-        print(f"lmc: tracing {prog.__name__} failed at {e}", file=sys.stderr)
-        return 1
-    emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid, "json": to_json}[args.emit]
+    g = compiled.graph(**concrete)
+    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json") else None
+    template = ChatTemplate.from_tokenizer(tokenizer)
+    if args.emit == "json":
+        report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
+        print(json.dumps({"graph": graph_dict(g), "report": report}, indent=2, sort_keys=True, default=repr))
+        return 0
+    emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid}[args.emit]
     sys.stdout.write(emit(g))
     if args.emit == "text":
-        tokenizer = _tokenizer(args.model)
-        report = compiled.report(template=ChatTemplate.from_tokenizer(tokenizer), tokenizer=tokenizer, **concrete)
+        report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
         for key, value in report.items():
             print(f"# {key}: {json.dumps(value)}")
     return 0
 
 
 def _tokenizer(model: str):
-    """The model's tokenizer alone (no weights): token counts and the chat template for the report."""
-    from transformers import AutoTokenizer
+    """The model's tokenizer alone (no weights), for token counts and the chat template of the report; None
+    when transformers (or the model's files) are not there: the report then counts characters and says so."""
+    try:
+        from transformers import AutoTokenizer
 
-    from lmc.runtime.model.loader import resolve
-
+        from lmc.runtime.model.loader import resolve
+    except ImportError:
+        return None
     src = resolve(model)
     return AutoTokenizer.from_pretrained(src.tokenizer_dir) if src.tokenizer_dir else None
 

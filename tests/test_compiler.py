@@ -1,5 +1,6 @@
 """Compiler: tracer, IR (validator, text format, exports), compiled execution against the interpreter."""
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lmc as sgl
-from lmc.frontend.tracer import TraceError, trace
+from lmc.compiler.trace import trace
 from lmc.ir import IRValidationError, ProgramGraph
 from lmc.ir.export import to_dot, to_json, to_mermaid
 from lmc.ir.text import parse_graph, print_graph
@@ -19,7 +20,7 @@ from lmc.ir.text import parse_graph, print_graph
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = ["few_shot_qa", "classification", "multi_turn_chat", "tip_suggestion", "tree_of_thought", "judge",
-            "react_agent", "extraction"]
+            "react_agent", "extraction", "calculator_agent", "counted_list"]
 
 
 def load_example(name):
@@ -132,10 +133,10 @@ def loop_forever(s):
             break
 
 
-def test_unbounded_control_flow_becomes_a_dynamic_region():
+def test_unbounded_control_flow_becomes_a_graph_break():
     g = trace(loop_forever)
-    assert not g.static() and any("paths" in g.node(n).attrs["reason"] for n in g.g.nodes
-                                  if g.node(n).kind == "dynamic")
+    breaks = [g.node(n).attrs for n in g.breaks()]
+    assert not g.static() and breaks and all("paths" in b["reason"] and not b["interpret"] for b in breaks)
 
 
 @sgl.function
@@ -145,11 +146,13 @@ def buggy(s, question):
     s += items["missing"]  # the user's bug
 
 
-def test_a_failing_trace_points_at_the_users_line():
-    with pytest.raises(TraceError) as e:
-        trace(buggy)
-    assert "test_compiler.py" in str(e.value) and 's += items["missing"]' in str(e.value)
-    assert "KeyError" in str(e.value) and "tracer.py" not in str(e.value)
+def test_a_failing_trace_is_a_break_at_the_users_line(engine):
+    g = trace(buggy)
+    [b] = [g.node(n).attrs for n in g.breaks()]
+    line = buggy.func.__code__.co_firstlineno + 4  # the decorator line, then the body's fourth line
+    assert b["line"] == f"test_compiler.py:{line}" and "KeyError" in b["reason"]
+    with pytest.raises(KeyError, match="missing"):  # at run time the interpreter raises the real error
+        buggy.compile().run(question="Q", backend=sgl.Local(engine=engine))
 
 
 # ---- CLI, golden files, exports -------------------------------------------------------------------------------
@@ -181,12 +184,14 @@ def test_dot_renders_with_graphviz(tmp_path):
     assert to_mermaid(g).startswith("flowchart TD") and '"nodes"' in to_json(g)
 
 
-def test_compile_errors_are_clear(tmp_path):
+def test_a_tracing_problem_compiles_as_a_break_at_the_users_line(tmp_path):
     prog = tmp_path / "bad.py"
     prog.write_text("import lmc\n\n@lmc.function\ndef bad(s, q):\n    s += q\n    s += {}['nope']\n")
-    out = lmc_cli("compile", str(prog))
-    assert out.returncode == 1 and "bad.py:6" in out.stderr and "KeyError" in out.stderr
-    assert "Traceback" not in out.stderr
+    out = lmc_cli("compile", f"{prog}:bad", "--emit", "json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)["report"]
+    assert report["fallback"] is False
+    assert [(b["line"], "KeyError" in b["reason"]) for b in report["graph_breaks"]] == [("bad.py:6", True)]
 
 
 # ---- compiled vs interpreted -----------------------------------------------------------------------------------
@@ -196,7 +201,8 @@ ARGS = {"few_shot_qa": {"question": "What is the capital of Italy?"},
         "tip_suggestion": {"topic": "sleep"}, "tree_of_thought": {"question": "What is 12 + 30?"},
         "judge": {"question": "What is the capital of France?", "answer": "Paris"},
         "react_agent": {"question": "What is the capital of Italy?"},
-        "extraction": {"doc": "Marie Curie (7 November 1867 - 4 July 1934) was a Polish physicist and chemist."}}
+        "extraction": {"doc": "Marie Curie (7 November 1867 - 4 July 1934) was a Polish physicist and chemist."},
+        "calculator_agent": {"question": "What is 12 times 7, plus 5?"}, "counted_list": {"topic": "fruits"}}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -216,7 +222,7 @@ def retrieval(s, doc_a, question):
     s += "Question: " + question + "\nAnswer briefly." + sgl.gen("answer", max_tokens=8)
 
 
-def test_unordered_segments_become_canonical_and_shared(engine):
+def test_unordered_segments_render_in_one_order_in_both_modes_and_are_shared(engine):
     from lmc.frontend.chat_template import ChatTemplate
     from lmc.passes import constant_prefix
 
@@ -224,11 +230,12 @@ def test_unordered_segments_become_canonical_and_shared(engine):
     g = compiled.graph()
     assert constant_prefix(g, ChatTemplate.plain()) == \
         "Documents:\nDoc about ants.\nDoc about bees.\nDoc about cats.\nQuestion: "
-    assert retrieval.compile(hoist="off").graph().node(1).attrs["canonical"] is False
-    st = compiled.run(doc_a="x", question="Which insects?", backend=sgl.Local(engine=engine), temperature=0)
-    assert st.text().startswith("Documents:\nDoc about ants.")
-    interp = retrieval.run(doc_a="x", question="Which insects?", backend=sgl.Local(engine=engine), temperature=0)
-    assert interp.text().startswith("Documents:\nDoc about cats.")  # the interpreter keeps the written order
+    backend = sgl.Local(engine=engine)
+    runs = [compiled.run(doc_a="x", question="Which insects?", backend=backend, temperature=0),
+            retrieval.compile(hoist="off").run(doc_a="x", question="Which insects?", backend=backend, temperature=0),
+            retrieval.run(doc_a="x", question="Which insects?", backend=backend, temperature=0)]
+    assert runs[0].text().startswith("Documents:\nDoc about ants.")
+    assert runs[0].text() == runs[1].text() == runs[2].text()
 
 
 def test_instruction_after_the_question_is_a_suggestion_until_aggressive():
@@ -359,7 +366,7 @@ def rate_dynamic(s, answer):
     s += sgl.assistant(sgl.select("sure", choices=["yes", "no"]))
 
 
-def test_interpreted_dynamic_program_still_gets_lowered_selects(engine):
+def test_segments_after_a_break_get_lowered_selects(engine):
     backend = sgl.Local(engine=engine)
     assert not rate_dynamic.compile().graph().static()
     args = [{"answer": a} for a in ("Paris is in France", "Cats bark")]

@@ -77,6 +77,8 @@ def _as_expr(x) -> Expr:
         return x
     if isinstance(x, str):
         return Text(x)
+    if hasattr(x, "__lmc_text__"):  # a value being traced (lmc.compiler.trace.Symbol)
+        return Text(x.__lmc_text__())
     raise TypeError(f"cannot append {type(x).__name__} to a program state: use a str or an lmc expression")
 
 
@@ -129,11 +131,14 @@ class RoleEnd(Expr):
 
 @dataclass(eq=False)
 class Unordered(Expr):
-    """Segments whose order the author declares irrelevant (few-shot examples, retrieved documents). The
-    interpreter keeps the written order; the compiler may put them in one canonical order across instances, so
-    that they become a shared prefix."""
+    """Segments whose order the author declares irrelevant (few-shot examples, retrieved documents). They render
+    in one canonical (sorted) order, interpreted and compiled alike, so that across instances they become a
+    shared prefix."""
 
     segments: list[str]
+
+    def render(self) -> str:
+        return "".join(sorted(self.segments))
 
 
 def unordered(*segments: str) -> Unordered:

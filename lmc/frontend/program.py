@@ -89,7 +89,7 @@ class Program:
     def _start(self, args: tuple, kwargs: dict, sampling: dict, backend, stream: bool = False) -> ProgramState:
         """Create the stream and run the body (in this thread, or a new one when streaming). Does not wait for
         the queued work."""
-        from .tracer import nested_call_while_tracing
+        from ..compiler.trace import nested_call_while_tracing
 
         nested_call_while_tracing(self)
         backend, defaults = resolve_backend(backend), resolve_defaults(sampling)
@@ -127,7 +127,7 @@ class Program:
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         ignore_eos=ignore_eos, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num, seed=seed)
-        from .tracer import traced_call
+        from ..compiler.trace import traced_call
 
         traced = traced_call(self, args, kwargs, sampling, stream)
         if traced is not None:  # called from a program being compiled: a `call` node, not a run
@@ -203,7 +203,7 @@ class Program:
         """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
         "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"; the other flags
         switch single passes off (for ablations)."""
-        from .compiled import CompiledProgram
+        from ..compiler.compiled import CompiledProgram
 
         return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch,
                                select_lowering=select_lowering)

@@ -24,7 +24,8 @@ def _json(v) -> str:
 
 
 def print_graph(g: ProgramGraph) -> str:
-    lines = [f"program {g.name}({', '.join(g.params)}) {{"]
+    after = f" after({', '.join(g.inputs)})" if g.inputs is not None else ""
+    lines = [f"program {g.name}({', '.join(g.params)}){after} {{"]
     for nid in g.order():
         node = g.node(nid)
         preds = []
@@ -62,8 +63,11 @@ class _ToGraph(Transformer):
     def array(self, *items):
         return list(items)
 
-    def header(self, name, *params):
-        return str(name), tuple(str(p) for p in params if p is not None)
+    def names(self, *names):
+        return tuple(str(n) for n in names if n is not None)
+
+    def header(self, name, params, inputs=None):
+        return str(name), params, inputs
 
     def pred(self, kind, ref, when=None):
         return str(kind), int(ref[1:]), (str(when) if when is not None else None)
