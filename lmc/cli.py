@@ -437,15 +437,35 @@ def _compile(args) -> int:
     from lmc.ir.export import graph_dict, to_dot, to_mermaid
     from lmc.ir.text import print_graph
 
+    from lmc.compiler.pipeline import PASSES
+
+    if args.passes:
+        for p in PASSES:
+            print(f"{p.name:18s} {'on ' if p.default else 'off'}  {p.doc}")
+        return 0
+    if args.program is None:
+        raise UsageError("compile needs a program (prog.py or prog.py:name), or --passes")
     path, prog = _load(args)
     concrete = {k: v for k, v in _parse_args(args.arg).items() if not isinstance(v, str)}
-    compiled = prog.compile(hoist=args.hoist)
+    try:
+        compiled = prog.compile(hoist=args.hoist, disable=args.disable, enable=args.enable)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     g = compiled.graph(**concrete)
-    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json") else None
+    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json", "plan") else None
     template = ChatTemplate.from_tokenizer(tokenizer)
     if args.emit == "json":
         report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
         print(json.dumps({"graph": graph_dict(g), "report": report}, indent=2, sort_keys=True, default=repr))
+        return 0
+    if args.emit == "plan":  # what the executor runs the first segment with, on the local engine
+        from lmc.compiler.pipeline import Target
+        from lmc.protocol import Capabilities
+
+        target = Target("local", template, tokenizer, Capabilities(token_id_selects=tokenizer is not None))
+        plan = compiled.plan_for(target, **concrete).as_dict()
+        print(json.dumps({"target": target.kind, "graph": graph_dict(g), "plan": plan}, indent=2, sort_keys=True,
+                         default=repr))
         return 0
     emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid}[args.emit]
     sys.stdout.write(emit(g))
@@ -549,8 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(fn=_serve)
     c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
-    c.add_argument("program", help="prog.py or prog.py:name")
-    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json"], default="text")
+    c.add_argument("program", nargs="?", help="prog.py or prog.py:name")
+    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json", "plan"], default="text",
+                   help="json: the graph and the report; plan: the graph and the executor's plan for the local engine")
+    c.add_argument("--passes", action="store_true", help="list the passes (name, on/off by default, what it does)")
+    c.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
+    c.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   help="switch an opt-in pass on (repeatable)")
     c.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a non-text argument to specialise the graph on (text arguments stay symbolic)")
     c.add_argument("--hoist", choices=["safe", "aggressive", "off"], default="safe",

@@ -187,3 +187,14 @@ def test_lmc_compile_emits_one_json_object_with_the_report():
     lines = {b["line"] for b in doc["report"]["graph_breaks"]}
     assert lines and all(line.startswith("react_agent.py:") for line in lines)
     assert all(isinstance(b["reason"], str) and b["reason"] for b in doc["report"]["graph_breaks"])
+
+
+def test_lmc_compile_emits_the_executors_plan():
+    out = subprocess.run([sys.executable, "-m", "lmc.cli", "compile", "examples/judge.py", "--emit", "plan"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    selects = {f"%{n['id']}" for n in doc["graph"]["nodes"] if n["kind"] == "select"}
+    assert doc["target"] == "local" and set(doc["plan"]["select_tokens"]) == selects  # one-token scores
+    forks = [f"%{n['id']}" for n in doc["graph"]["nodes"] if n["kind"] == "fork"]
+    assert list(doc["plan"]["commits"]) == forks and doc["plan"]["fork_batch"] is True

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..frontend.program import Program, _failed_state, _progress, resolve_backend, resolve_defaults
 from ..frontend.state import ProgramState, Stream, frontend_loop
 from ..ir import ProgramGraph
-from ..passes import constant_prefix, fork_commit_texts
-from ..passes.api_speculation import plan_speculation
+from ..passes import constant_prefix
 from ..passes.cost import estimate
-from ..passes.prefix_hoist import apply_aggressive_hoist, hoist_suggestions
-from ..passes.select_lowering import single_token_selects
+from ..protocol import NO_CAPABILITIES, Capabilities, ChatTemplate, capabilities
 from .executor import Plan, run_segment
 from .interpret import interpret_rest
+from .pipeline import PassManager, Target, check_pass_names
 from .trace import Resume, Segment, trace_segment
 
 _MISSING = object()
+SEGMENT_CACHE_SIZE = 64  # segments kept per resume point (torch.compile's cache_size_limit, in spirit)
+# The interpreter fallback blocks a thread per instance while its stream works: a pool as wide as a batch.
+_INTERPRETERS = ThreadPoolExecutor(32, thread_name_prefix="lmc-interpret")
 
 
 def _key(concrete: dict) -> str:
@@ -43,32 +46,43 @@ def _guards_hold(guards: dict[tuple, Any], resume: Resume) -> bool:
     return True
 
 
+def _target(backend) -> Target:
+    kind = {"Local": "local", "RuntimeEndpoint": "endpoint", "OpenAI": "openai"}.get(type(backend).__name__, "local")
+    return Target(kind, backend.chat_template, getattr(backend, "tokenizer", None), capabilities(backend))
+
+
 class CompiledProgram:
+    """`disable` / `enable`: pass names (lmc.compiler.pipeline.PASSES). The older switches map onto them:
+    hoist="off" disables batch_prefix and hoist_suggestions, hoist="aggressive" enables aggressive_hoist, and
+    fork_commit / fork_batch / select_lowering=False disable the pass of that name."""
+
     def __init__(self, program: Program, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True,
-                 select_lowering: bool = True):
+                 select_lowering: bool = True, disable=(), enable=()):
         if hoist not in ("off", "safe", "aggressive"):
             raise ValueError(f"hoist must be 'off', 'safe' or 'aggressive', not {hoist!r}")
-        self.program, self.hoist, self.fork_commit = program, hoist != "off", fork_commit
-        self.hoist_mode, self.fork_batch, self.select_lowering = hoist, fork_batch, select_lowering
+        disable = set(check_pass_names(disable))
+        disable |= {"batch_prefix", "hoist_suggestions"} if hoist == "off" else set()
+        disable |= {n for n, on in (("fork_commit", fork_commit), ("fork_batch", fork_batch),
+                                    ("select_lowering", select_lowering)) if not on}
+        enable = set(check_pass_names(enable)) | ({"aggressive_hoist"} if hoist == "aggressive" else set())
+        self.program, self.passes = program, PassManager.configure(disable, enable)
+        self._options = (tuple(sorted(disable)), tuple(sorted(enable)))
         self._graphs: dict[str, ProgramGraph] = {}
         # (concrete arguments, resume operation) -> the segments traced from there, each behind its guards
         self._segments: dict[tuple[str, int], list[Segment]] = {}
         self._plans: dict[tuple[int, int], tuple[ProgramGraph, Plan]] = {}
         self._callees: dict[Program, CompiledProgram] = {}
         self._lock = threading.Lock()
-        self.pass_stats: dict[str, Any] = {}
         self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0}
 
     def __repr__(self) -> str:
         return f"<compiled {self.program!r}>"
 
     # ---- tracing -------------------------------------------------------------------------------------------
-    def _optimize(self, g: ProgramGraph) -> dict[str, Any]:
-        stats = {"suggestions": hoist_suggestions(g)}
-        if self.hoist_mode == "aggressive":
-            stats["hoisted_nodes"] = apply_aggressive_hoist(g)
-        g.validate()
-        return stats
+    def _optimize(self, g: ProgramGraph, target: Target | None = None) -> dict[str, dict]:
+        """Run the pass pipeline (the graph-rewriting passes are idempotent: a segment is run through it once
+        at tracing and once per backend it runs on)."""
+        return self.passes.run(g, target or Target("local", ChatTemplate.plain()))[1]
 
     def graph(self, **concrete) -> ProgramGraph:
         """The first segment for these non-text arguments (loop counts, lists): one trace per distinct value set."""
@@ -76,7 +90,7 @@ class CompiledProgram:
         with self._lock:
             if key not in self._graphs:
                 g = trace_segment(self.program, concrete).graph
-                self.pass_stats = self._optimize(g)
+                self._optimize(g)
                 self._graphs[key] = g
             return self._graphs[key]
 
@@ -91,7 +105,9 @@ class CompiledProgram:
         seg = trace_segment(self.program, concrete, resume)
         self._optimize(seg.graph)
         with self._lock:
-            self._segments.setdefault(key, []).append(seg)
+            cached = self._segments.setdefault(key, [])
+            if len(cached) < SEGMENT_CACHE_SIZE:  # beyond it, paths that rarely repeat are traced, not kept
+                cached.append(seg)
             self.stats["segments_traced"] += 1
         return seg.graph
 
@@ -115,8 +131,12 @@ class CompiledProgram:
         g = self.graph(**concrete)
         tmpl = template or resolve_backend(None).chat_template
         fallback, graph_breaks = self.breaks(**concrete)
-        prefix = constant_prefix(g, tmpl) if self.hoist else ""
-        commits = fork_commit_texts(g, tmpl) if self.fork_commit else {}
+        stats = self._optimize(g, Target("local", tmpl, tokenizer, NO_CAPABILITIES if tokenizer is None
+                                         else Capabilities(token_id_selects=True)))
+        batch_prefix = "batch_prefix" in stats
+        prefix = constant_prefix(g, tmpl) if batch_prefix else ""
+        commits = stats.get("fork_commit", {}).get("plan", {}).get("commits", {})
+        speculation = stats.get("api_speculation", {"completion_groups": [], "chat_groups": []})
         count = (lambda t: len(tokenizer.encode(t))) if tokenizer is not None else len
         unit = "tokens" if tokenizer is not None else "chars"
         report = {"nodes": len(g), "fallback": fallback, "graph_breaks": graph_breaks,
@@ -125,21 +145,27 @@ class CompiledProgram:
                                    f"fork_shared_{unit}": {f"%{k}": count(v) if v else 0 for k, v in commits.items()},
                                    "suggestions": [{"node": f"%{x['node']}", "text": x["text"],
                                                     f"shareable_{unit}": count(x["text"])}
-                                                   for x in self.pass_stats.get("suggestions", [])]},
-                  "api_speculation": {"completion_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, False)],
-                                      "chat_groups": [[f"%{n}" for n in grp] for grp in plan_speculation(g, True)]}}
+                                                   for x in stats.get("hoist_suggestions", {}).get("suggestions", [])]},
+                  "api_speculation": {k: [[f"%{n}" for n in grp] for grp in v] for k, v in speculation.items()},
+                  "passes": list(self.passes.enabled)}
         if tokenizer is not None:
-            lowered = single_token_selects(g, tmpl, tokenizer) if self.select_lowering else {}
+            lowered = stats.get("select_lowering", {}).get("plan", {}).get("select_tokens", {})
             report["select_lowering"] = {f"%{n}": len(ids) for n, ids in sorted(lowered.items())}
             tok = lambda t: tokenizer.encode(t)  # noqa: E731
             inst = examples or [{}, {}]
-            if examples and self.hoist:
+            if examples and batch_prefix:
                 prefix = constant_prefix(g, tmpl, examples)
             report["cost"] = {
                 "no_cache": estimate(g, tmpl, tok, inst, cache=False).as_dict(),
                 "radix_cache": estimate(g, tmpl, tok, inst).as_dict(),
                 "radix_cache_and_passes": estimate(g, tmpl, tok, inst, batch_prefix=prefix, fork_commits=commits,
                                                    lowered_selects=frozenset(lowered)).as_dict()}
+            worse = report["cost"]["radix_cache_and_passes"]["prefill_tokens"] - \
+                report["cost"]["radix_cache"]["prefill_tokens"]
+            if worse > 0:  # a pass never makes the estimate worse without saying why
+                report["cost"]["note"] = (
+                    f"the passes add {worse} prefill tokens here: their hints (batch prefix, fork commits) are "
+                    f"prefill calls of their own, which {len(inst)} instances do not amortise")
         else:
             report["cost"] = {"note": "no tokenizer (transformers is not installed, or the model has none): sizes "
                                       "are in characters; select lowering and the token cost model need one"}
@@ -181,7 +207,7 @@ class CompiledProgram:
         """The prefix a batch's instances share, to prefill once ahead of them; none where the engine already
         computes a shared prefix once among queued requests (the first instance's whole prompt then serves the
         others, and it usually shares more than the hint would)."""
-        if not self.hoist or len(items) < 2 or getattr(backend, "shares_prefixes_in_batch", False):
+        if not self._plan(g, backend).batch_prefix or len(items) < 2 or capabilities(backend).batch_prefix_sharing:
             return ""
         return constant_prefix(g, backend.chat_template, items)
 
@@ -214,24 +240,38 @@ class CompiledProgram:
             resume = Resume(attrs["resume"], stream.history, text_args)
             if attrs["interpret"]:
                 self.stats["interpreted_rests"] += 1
-                await asyncio.to_thread(interpret_rest, self.program, stream, resume, kwargs)
+                await asyncio.get_running_loop().run_in_executor(_INTERPRETERS, interpret_rest, self.program, stream,
+                                                                 resume, kwargs)
                 break
             g = await asyncio.to_thread(self.segment, concrete, resume)
         return ProgramState(stream)
 
+    def plan_for(self, target: Target, **concrete) -> Plan:
+        """The executor's plan for the first segment on `target` (what `lmc compile --emit plan` prints)."""
+        g = self.graph(**concrete)
+        return self._make_plan(g, self._optimize(g, target))
+
     def _plan(self, g: ProgramGraph, backend) -> Plan:
+        """The executor's plan for one segment on one backend: what the passes decided, for that target."""
         key = (id(g), id(backend))
-        if key in self._plans:
-            return self._plans[key][1]
-        plan = Plan(fork_commit_texts(g, backend.chat_template) if self.fork_commit else {}, self.fork_batch)
-        if self.select_lowering and hasattr(backend, "select_tokens"):
-            plan.select_tokens = single_token_selects(g, backend.chat_template, backend.tokenizer)
+        with self._lock:
+            if key in self._plans:
+                return self._plans[key][1]
+        plan = self._make_plan(g, self._optimize(g, _target(backend)))
+        with self._lock:
+            self._plans[key] = (g, plan)  # the graph is held so that its id is not reused
+        return plan
+
+    def _make_plan(self, g: ProgramGraph, stats: dict[str, dict]) -> Plan:
+        decided = {k: v for st in stats.values() for k, v in st.get("plan", {}).items()}
+        plan = Plan(decided.get("commits", {}), decided.get("fork_batch", False), decided.get("select_tokens", {}),
+                    batch_prefix=decided.get("batch_prefix", False))
         for name, program in g.callees.items():  # nested programs compile with the caller's options
-            if program not in self._callees:
-                self._callees[program] = CompiledProgram(program, self.hoist_mode, self.fork_commit, self.fork_batch,
-                                                         self.select_lowering)
+            with self._lock:
+                if program not in self._callees:
+                    self._callees[program] = CompiledProgram(program, disable=self._options[0],
+                                                             enable=self._options[1])
             plan.callees[name] = self._callees[program]
-        self._plans[key] = (g, plan)  # the graph is held so that its id is not reused
         return plan
 
     async def arun_instance(self, kwargs: dict, backend, defaults) -> ProgramState:

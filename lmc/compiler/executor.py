@@ -30,7 +30,14 @@ class Plan:
     commits: dict[int, str] = field(default_factory=dict)  # fork -> shared branch text to commit (prefix_hoist)
     fork_batch: bool = True  # a fork's branches in flight at once, not one after another
     select_tokens: dict[int, list[int]] = field(default_factory=dict)  # select -> choice ids (select_lowering)
+    batch_prefix: bool = False  # prefill the prefix a batch's instances share once, ahead of them
     callees: dict[str, Any] = field(default_factory=dict)  # call name -> CompiledProgram (has arun_instance)
+
+    def as_dict(self) -> dict:
+        """The decisions as JSON data (node ids as "%N"; callees by name)."""
+        return {"commits": {f"%{k}": v for k, v in sorted(self.commits.items())}, "fork_batch": self.fork_batch,
+                "select_tokens": {f"%{k}": v for k, v in sorted(self.select_tokens.items())},
+                "batch_prefix": self.batch_prefix, "callees": sorted(self.callees)}
 
 
 def _value(name: str, args: dict, stream: Stream):

@@ -199,14 +199,14 @@ class Program:
         return results
 
     def compile(self, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True,
-                select_lowering: bool = True):
-        """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
-        "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"; the other flags
-        switch single passes off (for ablations)."""
+                select_lowering: bool = True, disable=(), enable=()):
+        """A compiled program (run / run_batch / arun_batch), traced into segments on first use. `disable` /
+        `enable`: pass names (`lmc compile --passes` lists them). `hoist`: "safe" (only meaning-preserving
+        moves), "aggressive" (also the suggested ones), or "off"; the other flags switch single passes off."""
         from ..compiler.compiled import CompiledProgram
 
         return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch,
-                               select_lowering=select_lowering)
+                               select_lowering=select_lowering, disable=disable, enable=enable)
 
     async def arun(self, *args, **kwargs) -> ProgramState:
         return await asyncio.to_thread(self.run, *args, **kwargs)

@@ -19,7 +19,8 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Iterator
 
-from .choices import token_length_normalized
+from ..protocol import capabilities, token_length_normalized
+from ..protocol.backend import set_current_stream
 from .primitives import (DEFAULT_PARAMS, Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Text,
                          Unordered, _as_expr)
 
@@ -147,6 +148,7 @@ class Stream:
             self._loop.create_task(self._drain())
 
     async def _drain(self) -> None:
+        set_current_stream(self)  # this task's backend calls serve this stream
         while self._items:
             e = self._items.popleft()
             try:
@@ -197,14 +199,14 @@ class Stream:
         elif isinstance(e, Select):
             method = e.choices_method or token_length_normalized
             decision = None
-            if e.token_ids is not None and hasattr(self.backend, "select_tokens"):
+            if e.token_ids is not None and capabilities(self.backend).token_id_selects:
                 decision = await self.backend.select_tokens(self.text, e.choices, e.token_ids, method)
             if decision is None:
                 decision = await self.backend.select(self.text, e.choices, e.temperature, method)
             self._append(decision.decision)
             self._set(e.name, decision.decision, decision.meta_info)
         elif isinstance(e, Image):
-            if not getattr(self.backend, "supports_images", False):
+            if not capabilities(self.backend).images:
                 raise ValueError(f"image(): the backend {self.backend!r} serves a text-only model; images need a "
                                  "vision-capable API backend")
             self.images.append(e)

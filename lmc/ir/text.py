@@ -95,12 +95,18 @@ def _parser() -> Lark:
     return Lark((Path(__file__).parent / "grammar.lark").read_text(), parser="lalr")
 
 
-def parse_graph(text: str) -> ProgramGraph:
-    from lark.exceptions import LarkError, VisitError
+def parse_graph(text: str, validate: bool = True) -> ProgramGraph:
+    """Parse the text format; the graph is validated unless `validate` is False (for tests of the format on
+    arbitrary graphs). Syntax errors name the line and column."""
+    from lark.exceptions import LarkError, UnexpectedInput, VisitError
 
     try:
-        return _ToGraph().transform(_parser().parse(text))
+        g = _ToGraph().transform(_parser().parse(text))
     except VisitError as e:
         raise e.orig_exc if isinstance(e.orig_exc, IRValidationError) else IRValidationError(str(e.orig_exc))
+    except UnexpectedInput as e:
+        where = f"line {e.line}, column {e.column}"
+        raise IRValidationError(f"not a valid lmc IR text at {where}:\n{e.get_context(text)}") from None
     except LarkError as e:
         raise IRValidationError(f"not a valid lmc IR text: {e}") from None
+    return g.validate() if validate else g
