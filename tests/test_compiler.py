@@ -441,3 +441,33 @@ def test_lmc_compile_prints_a_graph_without_torch_or_transformers():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("program judge(question, answer) {") and "# fallback: false" in out.stdout
     assert "no tokenizer" in out.stdout  # the cost model says why it has no token counts
+
+
+def _import_graph():
+    """Every `from ... import` between lmc's modules (function-level ones included), as a networkx DiGraph."""
+    import ast
+
+    import networkx as nx
+
+    g = nx.DiGraph()
+    for path in (ROOT / "lmc").rglob("*.py"):
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                g.add_edge(mod, ".".join(base + ([node.module] if node.module else [])))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lmc."):
+                g.add_edge(mod, node.module)
+    return g
+
+
+def test_imports_point_one_way():
+    import networkx as nx
+
+    g = _import_graph()
+    assert not [(u, v) for u, v in g.edges if u.startswith("lmc.backend") and v.startswith("lmc.frontend")]
+    assert not [(u, v) for u, v in g.edges if u.startswith("lmc.protocol") and not v.startswith("lmc.protocol")]
+    assert not [(u, v) for u, v in g.edges if u.startswith("lmc.frontend") and v.startswith("lmc.compiler")]
+    assert not nx.has_path(g, "lmc.frontend.program", "lmc.compiler.compiled")
+    assert not nx.has_path(g, "lmc.backend.endpoint", "lmc.backend.openai")

@@ -198,3 +198,19 @@ def test_lmc_compile_emits_the_executors_plan():
     assert doc["target"] == "local" and set(doc["plan"]["select_tokens"]) == selects  # one-token scores
     forks = [f"%{n['id']}" for n in doc["graph"]["nodes"] if n["kind"] == "fork"]
     assert list(doc["plan"]["commits"]) == forks and doc["plan"]["fork_batch"] is True
+
+
+@sgl.function
+def repeat_words(s, word, n=2):
+    for i in range(n):
+        s += f" {word}" + sgl.gen(f"w{i}", max_tokens=2)
+
+
+def test_run_batch_with_different_non_text_arguments(backend):
+    """Instances specialised on different loop counts run in one batch, each like the interpreter."""
+    items = [{"word": "sun", "n": 1}, {"word": "moon", "n": 3}, {"word": "star"}]
+    compiled = repeat_words.compile()
+    states = compiled.run_batch(items, backend=backend, temperature=0)
+    for state, ref in zip(states, repeat_words.run_batch(items, backend=backend, temperature=0)):
+        assert state.variables() == ref.variables() and state.text() == ref.text()
+    assert len(compiled._graphs) == 3  # one first segment per distinct non-text argument set

@@ -70,7 +70,6 @@ class CompiledProgram:
         self._graphs: dict[str, ProgramGraph] = {}
         # (concrete arguments, resume operation) -> the segments traced from there, each behind its guards
         self._segments: dict[tuple[str, int], list[Segment]] = {}
-        self._plans: dict[tuple[int, int], tuple[ProgramGraph, Plan]] = {}
         self._callees: dict[Program, CompiledProgram] = {}
         self._lock = threading.Lock()
         self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0}
@@ -253,13 +252,11 @@ class CompiledProgram:
 
     def _plan(self, g: ProgramGraph, backend) -> Plan:
         """The executor's plan for one segment on one backend: what the passes decided, for that target."""
-        key = (id(g), id(backend))
-        with self._lock:
-            if key in self._plans:
-                return self._plans[key][1]
+        held = g.plans.get(id(backend))
+        if held is not None and held[0] is backend:
+            return held[1]
         plan = self._make_plan(g, self._optimize(g, _target(backend)))
-        with self._lock:
-            self._plans[key] = (g, plan)  # the graph is held so that its id is not reused
+        g.plans[id(backend)] = (backend, plan)  # lives as long as the segment does
         return plan
 
     def _make_plan(self, g: ProgramGraph, stats: dict[str, dict]) -> Plan:

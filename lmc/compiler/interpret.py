@@ -26,6 +26,9 @@ class _Replay:
         value, meta = self.resume.history.get(self.op, {}).get(name, (None, None))
         bindings.names[name] = Known(value, meta, self.op)
 
+    def nested_run(self, program) -> None:
+        """A nested run_batch or streamed run: replayed ones already ran, live ones run (as interpreted)."""
+
     def call(self, program, args, kwargs, sampling, stream):
         """A nested program call: replayed from its executed outputs, or run for real once live."""
         name = f"{program.__name__}#{self.call_count}"

@@ -23,7 +23,6 @@ arguments and of the values it reads from `s`. Host code before a break runs aga
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import os
 import re
@@ -33,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..frontend.primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Select, Text, Unordered, _as_expr
+from ..frontend.program import tracing
 from ..frontend.state import ProgramStateGroup, RoleMethods
 from ..ir import ProgramGraph
 from .values import apply_transforms, holds
 
 MAX_PATHS = 16
 _SENTINEL = re.compile("\x00(arg|var):([^\x00|]*)((?:\\|[a-z]+)*)\x00")
-_tracing: contextvars.ContextVar = contextvars.ContextVar("lmc_tracing", default=None)
+_tracing = tracing  # the frontend's hook: nested program calls ask the active tracer what they become
 _STR_TRANSFORMS = ("strip", "lower", "upper", "lstrip", "rstrip", "casefold", "title")
 # str methods modelled symbolically; every other public str method reads the concrete value (a graph break)
 _MODELLED = set(_STR_TRANSFORMS) | {"startswith", "endswith"}
@@ -580,20 +580,6 @@ def _concretize(value):
     return value
 
 
-def nested_call_while_tracing(program) -> None:
-    """A nested run that is not a plain call (run_batch, a stream) while tracing: the interpreter runs it."""
-    ctx = _tracing.get()
-    if ctx is not None and isinstance(ctx, _Tracer):
-        raise _Break(f"nested program run {program.__name__}() (only plain calls become call nodes)", interpret=True)
-
-
-def traced_call(program, args: tuple, kwargs: dict, sampling: dict, stream: bool):
-    """A program called from a body being traced or replayed: a `call` node (not run) or, replaying, the
-    executed call's outputs. Returns a CallResult, or None when no trace or replay is running."""
-    ctx = _tracing.get()
-    return None if ctx is None else ctx.call(program, args, kwargs, sampling, stream)
-
-
 def _trace_call(t: _Tracer, program, args, kwargs, sampling, stream):
     if stream or any(v is not None for v in sampling.values()):
         raise _Break(f"nested program call {program.__name__}() with streaming or its own sampling options", True)
@@ -620,7 +606,12 @@ def _trace_call(t: _Tracer, program, args, kwargs, sampling, stream):
     return CallResult(t, name, nid, t.op)
 
 
-_Tracer.call = _trace_call
+def _nested_run(t: _Tracer, program) -> None:
+    """A nested run that is not a plain call (run_batch, a stream) while tracing: the interpreter runs it."""
+    raise _Break(f"nested program run {program.__name__}() (only plain calls become call nodes)", interpret=True)
+
+
+_Tracer.call, _Tracer.nested_run = _trace_call, _nested_run
 
 
 class CallResult:

@@ -57,6 +57,7 @@ class ProgramGraph:
         self.callees: dict[str, Any] = {}
         self.methods: dict[int, Any] = {}
         self.op_of: dict[int, int] = {}
+        self.plans: dict[int, tuple[Any, Any]] = {}  # id(backend) -> (backend, the executor's plan for it)
 
     # ---- building ------------------------------------------------------------------------------------------
     def add(self, kind: str, stream: int = 0, after: int | None = None, node_id: int | None = None,
