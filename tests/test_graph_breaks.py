@@ -31,6 +31,16 @@ def same(prog, backend, **args):
 
 
 @sgl.function
+def unnamed(s, topic):
+    s += "A word about " + topic + ":" + sgl.gen(max_tokens=3, stop="\n") + " Good?" + sgl.select(choices=[" yes", " no"])
+
+
+def test_unnamed_gens_set_no_variables_compiled(backend):
+    state = same(unnamed, backend, topic="rain").run(topic="rain", backend=backend, temperature=0)
+    assert state.variables() == {}
+
+
+@sgl.function
 def dict_lookup(s, city):
     s += "City: " + city + "\nIs it a capital? Answer yes or no: " + sgl.select("capital", choices=["yes", "no"])
     s += "\nCountry: " + TOOLS.get(s["capital"], "unknown") + "\n"  # a dict lookup of a generated value

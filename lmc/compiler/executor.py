@@ -65,13 +65,14 @@ def _expr(g: ProgramGraph, nid: int, args: dict, plan: Plan, stream: Stream):
         params = dict(a["params"])
         if "dtype" in params:
             params["dtype"] = _DTYPES[params["dtype"]]
-        return Gen(a["name"], GenParams(**params))
+        return Gen(None if a.get("anonymous") else a["name"], GenParams(**params))
     if node.kind == "select":
         method = g.methods.get(nid) or _METHODS.get(a["method"])
         if method is None:
             raise ValueError(f"%{nid}: choice method {a['method']!r} is not one of lmc's ({sorted(_METHODS)}), and "
                              "this graph does not carry the object (a graph loaded from text)")
-        return Select(a["name"], list(a["choices"]), a["temperature"], method, plan.select_tokens.get(nid))
+        return Select(None if a.get("anonymous") else a["name"], list(a["choices"]), a["temperature"], method,
+                      plan.select_tokens.get(nid))
     if node.kind == "role_begin":
         return RoleBegin(a["role"])
     if node.kind == "role_end":

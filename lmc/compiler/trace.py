@@ -422,7 +422,9 @@ class TraceState(RoleMethods):
                 params = {k: v for k, v in vars(e.params).items() if v is not None}
                 if "dtype" in params:
                     params["dtype"] = params["dtype"].__name__
-                self._produced(name, t.emit("gen", self._stream, name=name, params=params) if emitting else None)
+                anonymous = {"anonymous": True} if e.name is None else {}  # runs without setting a variable
+                self._produced(name, t.emit("gen", self._stream, name=name, params=params, **anonymous)
+                               if emitting else None)
             elif isinstance(e, Select):
                 name = e.name if e.name is not None else f"select_{t.gen_count}"
                 t.gen_count += 1
@@ -430,7 +432,7 @@ class TraceState(RoleMethods):
                 if emitting:
                     method = type(e.choices_method).__name__ if e.choices_method else "TokenLengthNormalized"
                     nid = t.emit("select", self._stream, name=name, choices=e.choices, method=method,
-                                 temperature=e.temperature)
+                                 temperature=e.temperature, **({"anonymous": True} if e.name is None else {}))
                     if e.choices_method is not None:
                         t.g.methods[nid] = e.choices_method
                 self._produced(name, nid)

@@ -5,6 +5,7 @@ Nodes (kind -> attributes) follow the SGLang paper's IR plus what data-dependent
     fork{size}  fork_item{index}  join{mode}  role_begin{role}  role_end{role}  image{source}
     var_scope{name, edge: begin|end}  call{name, program, args}  branch{var, op, value}  set_var{name, value}
     break{reason, line, resume, interpret}
+A gen or select written without a name is named for the graph and marked `anonymous` (it sets no variable).
 A var node may carry `transforms` (argument-free str methods applied to the value, e.g. ["strip"]). A break ends
 a segment where the program's host code needs concrete values: `resume` is the number of body operations before
 it (where tracing resumes), `interpret` says the interpreter runs the rest instead. A segment traced after a
