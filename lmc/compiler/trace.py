@@ -35,175 +35,11 @@ from ..frontend.primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Sele
 from ..frontend.program import tracing
 from ..frontend.state import ProgramStateGroup, RoleMethods
 from ..ir import ProgramGraph
-from .values import apply_transforms, holds
+from .symbols import UNKNOWN, Symbol, GraphBreak
 
 MAX_PATHS = 16
 _SENTINEL = re.compile("\x00(arg|var):([^\x00|]*)((?:\\|[a-z]+)*)\x00")
 _tracing = tracing  # the frontend's hook: nested program calls ask the active tracer what they become
-_STR_TRANSFORMS = ("strip", "lower", "upper", "lstrip", "rstrip", "casefold", "title")
-# str methods modelled symbolically; every other public str method reads the concrete value (a graph break)
-_MODELLED = set(_STR_TRANSFORMS) | {"startswith", "endswith"}
-
-
-class TraceError(Exception):
-    """Kept for callers that catch it: tracing itself no longer raises for the program's own errors (they are
-    breaks that the interpreter resumes, so the real error surfaces at run time with real values)."""
-
-
-class _Break(Exception):
-    def __init__(self, reason: str, interpret: bool = False):
-        super().__init__(reason)
-        self.reason, self.interpret = reason, interpret
-
-
-_UNKNOWN = object()
-
-
-class Symbol:
-    """An argument or a generated value while tracing. It is not a str: formatting it (f-strings, `+` with
-    text, `.format`, `str()`) gives a sentinel that traces into an arg/var node, argument-free transforms
-    (`.strip()`) stay symbolic, comparisons with text are decisions, and anything else needs the concrete value:
-    `known` when a resumed trace has it (an argument of the instance: the read is recorded as a guard), a graph
-    break otherwise. A C function that wants a real str (re, json, ast) raises TypeError: an interpreting break
-    at that line, never a silently wrong constant."""
-
-    __slots__ = ("kind", "name", "transforms", "known")
-
-    def __init__(self, kind: str, name: str, transforms: tuple[str, ...] = (), known=_UNKNOWN):
-        self.kind, self.name, self.transforms, self.known = kind, name, transforms, known
-
-    def __str__(self) -> str:
-        return f"\x00{self.kind}:{self.name}{''.join('|' + t for t in self.transforms)}\x00"
-
-    def __format__(self, spec: str) -> str:
-        if spec:
-            return format(self._concrete("formatting with a spec"), spec)
-        return str(self)
-
-    def __lmc_text__(self) -> str:  # what `s += symbol` appends (lmc.frontend.primitives._as_expr)
-        return str(self)
-
-    def _concrete(self, why: str):
-        """The concrete value (transforms applied), recorded as a guard; a graph break when unknown."""
-        if self.known is _UNKNOWN:
-            raise _Break(f"{why} needs the value of {'argument' if self.kind == 'arg' else 'generated'} {self.name!r}")
-        _tracing.get().guard_arg(self.name, self.known)
-        return apply_transforms(self.known, self.transforms)
-
-    def _decide(self, op: str, value) -> bool:
-        if self.kind == "arg":
-            return holds(self._concrete(f"a decision ({op})"), op, value)
-        return _tracing.get().decide(self, op, value)
-
-    def __eq__(self, other):
-        if isinstance(other, str):
-            return self._decide("==", other)
-        return self._concrete("a comparison") == (other._concrete("a comparison") if isinstance(other, Symbol)
-                                                  else other)
-
-    def __ne__(self, other):
-        return not self.__eq__(other)
-
-    def __hash__(self):
-        return hash(self._concrete("a dict or set lookup"))
-
-    def __contains__(self, item):
-        if isinstance(item, str):
-            return self._decide("contains", item)
-        return item in self._concrete("a membership test")
-
-    def startswith(self, prefix, *a):
-        if a or not isinstance(prefix, str):
-            return self._concrete(".startswith()").startswith(prefix, *a)
-        return self._decide("startswith", prefix)
-
-    def endswith(self, suffix, *a):
-        if a or not isinstance(suffix, str):
-            return self._concrete(".endswith()").endswith(suffix, *a)
-        return self._decide("endswith", suffix)
-
-    def __bool__(self):
-        return self._decide("nonempty", None)
-
-    def __len__(self):
-        return len(self._concrete("len()"))
-
-    def __iter__(self):
-        return iter(self._concrete("iteration"))
-
-    def __getitem__(self, key):
-        return self._concrete("indexing")[key]
-
-    def __int__(self):
-        return int(self._concrete("int()"))
-
-    def __float__(self):
-        return float(self._concrete("float()"))
-
-    def __index__(self):
-        return int(self._concrete("use as an index"))
-
-    def __repr__(self):
-        return repr(self._concrete("repr()"))
-
-    def __add__(self, other):
-        if isinstance(other, (str, Symbol)):
-            return str(self) + str(other)
-        if isinstance(other, (int, float, list, tuple)):
-            return self._concrete("arithmetic") + other
-        return NotImplemented  # an lmc expression: `arg + gen(...)` builds an expression list
-
-    def __radd__(self, other):
-        if isinstance(other, str):
-            return other + str(self)
-        if isinstance(other, (int, float, list, tuple)):
-            return other + self._concrete("arithmetic")
-        return NotImplemented
-
-    def __lt__(self, other):
-        return self._concrete("an ordering comparison") < other
-
-    def __le__(self, other):
-        return self._concrete("an ordering comparison") <= other
-
-    def __gt__(self, other):
-        return self._concrete("an ordering comparison") > other
-
-    def __ge__(self, other):
-        return self._concrete("an ordering comparison") >= other
-
-    def __mul__(self, other):
-        return self._concrete("arithmetic") * other
-
-    def __mod__(self, other):
-        return self._concrete("%-formatting") % other
-
-
-def _transform(name):
-    def method(self, *a, **k):
-        if a or k:
-            return getattr(str, name)(self._concrete(f".{name}() with arguments"), *a, **k)
-        return Symbol(self.kind, self.name, self.transforms + (name,), self.known)
-
-    return method
-
-
-def _concrete_method(name):
-    def method(self, *a, **k):
-        value = self._concrete(f".{name}()")
-        return getattr(type(value), name)(value, *a, **k)
-
-    return method
-
-
-for _m in dir(str):
-    if _m.startswith("_") or _m in _MODELLED or _m == "maketrans":
-        continue
-    setattr(Symbol, _m, _concrete_method(_m))
-for _m in _STR_TRANSFORMS:
-    setattr(Symbol, _m, _transform(_m))
-
-
 # ---- replay state ------------------------------------------------------------------------------------------------
 @dataclass
 class Resume:
@@ -272,8 +108,8 @@ class _Tracer:
         try:
             program.func(state, **program_arguments(program, concrete, self.resume))
             if self.op < self.skip:
-                raise _Break("the body took fewer operations than were executed (it is not deterministic)", True)
-        except _Break as b:
+                raise GraphBreak("the body took fewer operations than were executed (it is not deterministic)", True)
+        except GraphBreak as b:
             self._break(b.reason, b.interpret, _user_line(program))
         except Exception as e:
             # The program's own error, or host code given a traced value where it needs a real str (re, ast,
@@ -335,9 +171,9 @@ class _Tracer:
 
     def decide(self, sym: Symbol, op: str, value) -> bool:
         if sym.name not in self.producers:
-            raise _Break(f"a decision on {sym.name!r}, which this path never generated")
+            raise GraphBreak(f"a decision on {sym.name!r}, which this path never generated")
         if self.open_forks:
-            raise _Break(f"a decision on {sym.name!r}")
+            raise GraphBreak(f"a decision on {sym.name!r}")
         i = len(self.decisions)
         outcome = self.path.plan[i] if i < len(self.path.plan) else False
         op_name = "|".join(sym.transforms + (op,))
@@ -373,9 +209,9 @@ def _parts(text: str, allow_vars: bool = False) -> list[dict]:
     text, parts, pos = str(text), [], 0
     for m in _SENTINEL.finditer(text):
         if m.group(1) == "var" and not allow_vars:
-            raise _Break("a generated value inside unordered()")
+            raise GraphBreak("a generated value inside unordered()")
         if m.group(3):
-            raise _Break(f"a transformed value of {m.group(2)!r} in a call argument or unordered()")
+            raise GraphBreak(f"a transformed value of {m.group(2)!r} in a call argument or unordered()")
         if m.start() > pos:
             parts.append({"text": text[pos:m.start()]})
         parts.append({m.group(1): m.group(2)})
@@ -408,9 +244,9 @@ class TraceState(RoleMethods):
         for e in items.flatten() if isinstance(items, ExprList) else [items]:
             emitting = t.emitting()
             if isinstance(e, Image):
-                raise _Break("image() (its bytes are not part of the graph)", interpret=True)
+                raise GraphBreak("image() (its bytes are not part of the graph)", interpret=True)
             if not isinstance(e, (Text, Gen, Select, RoleBegin, RoleEnd, Unordered)):
-                raise _Break(f"{type(e).__name__} expression", interpret=True)
+                raise GraphBreak(f"{type(e).__name__} expression", interpret=True)
             segments = [_parts(x) for x in e.segments] if emitting and isinstance(e, Unordered) else None
             t.count()
             if isinstance(e, Text):
@@ -444,8 +280,8 @@ class TraceState(RoleMethods):
         return self
 
     def _lookup(self, name: str):
-        b = self._b.names.get(name, _UNKNOWN)
-        if b is _UNKNOWN:
+        b = self._b.names.get(name, UNKNOWN)
+        if b is UNKNOWN:
             raise KeyError(f"variable {name!r} is not defined; defined variables: {sorted(self._b.names)}")
         return b
 
@@ -476,10 +312,10 @@ class TraceState(RoleMethods):
         return name in self._b.names
 
     def text(self):
-        raise _Break("text() read inside the program", interpret=True)
+        raise GraphBreak("text() read inside the program", interpret=True)
 
     def messages(self):
-        raise _Break("messages() read inside the program", interpret=True)
+        raise GraphBreak("messages() read inside the program", interpret=True)
 
     def get_meta_info(self, name):
         b = self._lookup(name)
@@ -488,7 +324,7 @@ class TraceState(RoleMethods):
             return b.meta
         if isinstance(b, Host):
             return None
-        raise _Break(f"meta info of {name!r} read")
+        raise GraphBreak(f"meta info of {name!r} read")
 
     def sync(self):
         pass
@@ -584,7 +420,7 @@ def _concretize(value):
 
 def _trace_call(t: _Tracer, program, args, kwargs, sampling, stream):
     if stream or any(v is not None for v in sampling.values()):
-        raise _Break(f"nested program call {program.__name__}() with streaming or its own sampling options", True)
+        raise GraphBreak(f"nested program call {program.__name__}() with streaming or its own sampling options", True)
     name = f"{program.__name__}#{t.call_count}"
     t.call_count += 1
     if not t.emitting():
@@ -598,7 +434,7 @@ def _trace_call(t: _Tracer, program, args, kwargs, sampling, stream):
         elif isinstance(v, (int, float, bool, type(None))):
             encoded[k] = {"value": v}
         else:
-            raise _Break(f"nested program call {program.__name__}() with a {type(v).__name__} argument", True)
+            raise GraphBreak(f"nested program call {program.__name__}() with a {type(v).__name__} argument", True)
     t.count()
     nid = t.emit("call", t.current_stream, name=name, program=program.__name__, args=encoded)
     for var in reads:
@@ -610,7 +446,7 @@ def _trace_call(t: _Tracer, program, args, kwargs, sampling, stream):
 
 def _nested_run(t: _Tracer, program) -> None:
     """A nested run that is not a plain call (run_batch, a stream) while tracing: the interpreter runs it."""
-    raise _Break(f"nested program run {program.__name__}() (only plain calls become call nodes)", interpret=True)
+    raise GraphBreak(f"nested program run {program.__name__}() (only plain calls become call nodes)", interpret=True)
 
 
 _Tracer.call, _Tracer.nested_run = _trace_call, _nested_run
@@ -634,10 +470,10 @@ class CallResult:
     get_var = __getitem__
 
     def text(self):
-        raise _Break(f"text() of the nested call {self._name}", interpret=True)
+        raise GraphBreak(f"text() of the nested call {self._name}", interpret=True)
 
     def variables(self):
-        raise _Break(f"variables() of the nested call {self._name}", interpret=True)
+        raise GraphBreak(f"variables() of the nested call {self._name}", interpret=True)
 
 
 @contextlib.contextmanager
@@ -651,7 +487,7 @@ def program_arguments(program, concrete: dict | None = None, resume: Resume | No
     """Symbols for text arguments (known ones when resuming an instance); concrete values for the rest (bound,
     given, or a non-text default), on which the graph is specialised."""
     known = resume.args if resume else {}
-    return {**{n: Symbol("arg", n, known=known.get(n, _UNKNOWN)) for n in program.arg_names},
+    return {**{n: Symbol("arg", n, known=known.get(n, UNKNOWN)) for n in program.arg_names},
             **structural_defaults(program), **program.bind_arguments, **(concrete or {})}
 
 
