@@ -1,70 +1,60 @@
-"""Compiled vs interpreted programs on the embedded model (CPU), and the ablation of each optimisation.
+"""Compiled vs interpreted: the example programs themselves (examples/), run_batch of N instances each, on the
+embedded model.
 
-Workloads: a few-shot batch, tree-of-thought (3 branches, each scored with select) and a 3-dimension judge
-(fork/join). Both modes run the same programs on one engine; the radix cache is flushed before each run.
-Reports programs/s and prompt tokens that had to be prefilled (prompt - cached).
+For every example the two modes alternate (interpreted, compiled, interpreted, ...) R times each, the radix
+cache flushed before every run; reported per mode: the median and min-max of programs/s, and the median prefill
+tokens (prompt tokens not served by the cache) and engine forwards, which are exact counts. The interpreted side
+is the interpreter as a user runs it (`prog.run_batch`); the compiled side is `prog.compile()` once per example,
+warmed by one batch (its tracing and segment cache are then what a user's second batch sees), run with the same
+`run_batch`. Every run checks that both modes give the same variables (temperature 0).
 
-    python benchmarks/compiler_bench.py [--n 24] [--repeat 3] [--out benchmarks/results/compiler.json]
-
-With --repeat R every configuration runs R times and the median programs/s is reported (the CPU is shared: one
-run can be off by 20%).
+    python benchmarks/compiler_bench.py [--n 32] [--repeat 5] [--only judge,react_agent] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import platform
+import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lmc  # noqa: E402
 
-SHOTS = "".join(f"Q: What is the capital of {c}?\nA: {a}\n\n" for c, a in
-                [("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi")])
-COUNTRIES = ["France", "Spain", "Germany", "Canada", "Brazil", "India", "China", "Mexico", "Poland", "Cuba"]
-APPROACHES = ["Let's think step by step.", "Let's start from what we know.", "Let's compare the options."]
-DIMENSIONS = ["clarity", "accuracy", "relevance"]
+COUNTRIES = ["France", "Spain", "Germany", "Canada", "Brazil", "India", "China", "Mexico", "Poland", "Cuba",
+             "Japan", "Kenya", "Egypt", "Peru", "Chile", "Italy"]
+TOPICS = ["sleep", "cooking", "running", "reading", "saving money", "learning a language", "gardening", "travel"]
 
 
-@lmc.function
-def few_shot(s, question):
-    s += SHOTS + "Q: " + question + "\nA:" + lmc.gen("answer", max_tokens=6, stop="\n")
+def instances(name: str, n: int) -> list[dict]:
+    """N argument sets per example (distinct, so instances share only what the program shares)."""
+    c = [COUNTRIES[i % len(COUNTRIES)] for i in range(n)]
+    return [{
+        "few_shot_qa": lambda i: {"question": f"What is the capital of {c[i]}?"},
+        "tree_of_thought": lambda i: {"question": f"What is {i} + {2 * i + 3}?"},
+        "judge": lambda i: {"question": f"What is the capital of {c[i]}?", "answer": f"It is {c[(i + 3) % n]}."},
+        "react_agent": lambda i: {"question": f"What is the population of the capital of {c[i]}?"},
+        "tip_suggestion": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} (#{i})"},
+        "calculator_agent": lambda i: {"question": f"What is {i + 2} times {i + 7}, plus {i}?"},
+        "counted_list": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} ideas"},
+    }[name](i) for i in range(n)]
 
 
-@lmc.function
-def tree_of_thought(s, question):
-    s += lmc.system("You are a careful problem solver.") + lmc.user(question)
-    forks = s.fork(3)
-    for approach, f in zip(APPROACHES, forks):
-        f += lmc.assistant(approach + lmc.gen("thought", max_tokens=16, stop="\n\n"))
-        f += lmc.user("Is the reasoning above correct? Answer yes or no.")
-        f += lmc.assistant(lmc.select("correct", choices=["yes", "no"]))
-    forks.join()
-    s += lmc.user("Give the final answer in one sentence.") + lmc.assistant(lmc.gen("answer", max_tokens=12))
+EXAMPLES = ["tree_of_thought", "judge", "react_agent", "tip_suggestion", "few_shot_qa", "calculator_agent",
+            "counted_list"]
 
 
-@lmc.function
-def judge(s, question, answer):
-    s += lmc.system("You are a strict judge of answers.")
-    s += lmc.user_begin() + "Question: " + question + "\nAnswer: " + answer + "\n\n"
-    forks = s.fork(len(DIMENSIONS))
-    for dim, f in zip(DIMENSIONS, forks):
-        f += f"Rate the answer's {dim} from 1 to 5." + lmc.user_end()
-        f += lmc.assistant(lmc.select("score", choices=["1", "2", "3", "4", "5"]) + " because"
-                           + lmc.gen("reason", max_tokens=12, stop="\n"))
-    forks.join()
-    s += "Is the answer good overall?" + lmc.user_end() + lmc.assistant(lmc.select("verdict", choices=["yes", "no"]))
-
-
-def workloads(n: int):
-    qs = [f"What is the capital of {COUNTRIES[i % len(COUNTRIES)]}? (#{i})" for i in range(n)]
-    return {
-        "few_shot": (few_shot, [{"question": q} for q in qs] * 2),
-        "tree_of_thought": (tree_of_thought, [{"question": f"What is {i} + {2 * i}?"} for i in range(n)]),
-        "judge": (judge, [{"question": q, "answer": COUNTRIES[i % len(COUNTRIES)]} for i, q in enumerate(qs)]),
-    }
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    [prog] = [v for v in vars(mod).values() if isinstance(v, lmc.Program) and v.func.__module__ == mod.__name__]
+    return prog
 
 
 def measure(backend, run) -> dict:
@@ -79,55 +69,60 @@ def measure(backend, run) -> dict:
     if errors:
         raise errors[0]
     prefill = (s1["prompt_tokens"] - s0["prompt_tokens"]) - (s1["cached_tokens"] - s0["cached_tokens"])
-    return {"programs_s": len(states) / secs, "seconds": secs, "prefill_tokens": prefill,
-            "forwards": s1["forwards"] - s0["forwards"], "variables": [st.variables() for st in states]}
+    return {"programs_s": len(states) / secs, "prefill_tokens": prefill, "forwards": s1["forwards"] - s0["forwards"],
+            "variables": [st.variables() for st in states], "text": [st.text() for st in states]}
+
+
+def summary(runs: list[dict]) -> dict:
+    rates = [r["programs_s"] for r in runs]
+    return {"programs_s_median": statistics.median(rates), "programs_s_min": min(rates), "programs_s_max": max(rates),
+            "programs_s_runs": [round(x, 3) for x in rates],
+            "prefill_tokens_median": statistics.median(r["prefill_tokens"] for r in runs),
+            "forwards_median": statistics.median(r["forwards"] for r in runs)}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=24)
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compiler.json"))
+    ap.add_argument("--n", type=int, default=32, help="instances per run_batch")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per mode (alternating)")
+    ap.add_argument("--only", default=None, help="comma-separated examples (default: all seven)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--note", default="", help="added to the JSON (e.g. how busy the machine was)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compiler_examples.json"))
     args = ap.parse_args()
-    backend = lmc.Local()
-    sched = backend.engine.scheduler
-    results = {}
-    for name, (prog, items) in workloads(args.n).items():
-        prog.run_batch(items[:2], backend=backend, temperature=0)  # warm-up
-        row = {}
-
-        def interp():
-            return prog.run_batch(items, backend=backend, temperature=0)
-
-        def compiled(**opts):
-            return lambda: prog.compile(**opts).run_batch(items, backend=backend, temperature=0)
-
-        configs = [("interpreted", interp, {}), ("compiled", compiled(), {}),
-                   ("no hint", compiled(fork_commit=False), {}), ("no fork batching", compiled(fork_batch=False), {}),
-                   ("no select lowering", compiled(select_lowering=False), {}),
-                   ("no hoisting", compiled(hoist="off"), {}),
-                   ("FCFS", compiled(), {"policy": "fcfs"}), ("radix cache off", compiled(), {"no_cache": True})]
-        for label, run, env in configs:
-            sched.cfg.policy = env.get("policy", "lpm")
-            sched.cache.disabled = env.get("no_cache", False)
-            runs = sorted((measure(backend, run) for _ in range(args.repeat)), key=lambda r: r["programs_s"])
-            row[label] = runs[len(runs) // 2]
-            row[label]["programs_s_runs"] = [round(r["programs_s"], 3) for r in runs]
-            print(f"{name:16s} {label:18s} {row[label]['programs_s']:7.2f} programs/s  "
-                  f"prefill {row[label]['prefill_tokens']:6d} tokens  forwards {row[label]['forwards']}", flush=True)
-        sched.cfg.policy, sched.cache.disabled = "lpm", False
-        same = row["compiled"]["variables"] == row["interpreted"]["variables"]
-        for r in row.values():
-            r.pop("variables")
-        row["same_variables"] = same
-        row["speedup"] = row["compiled"]["programs_s"] / row["interpreted"]["programs_s"]
-        results[name] = row
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print("\nworkload          compiled/interpreted  same variables")
-    for name, row in results.items():
-        print(f"{name:16s}  {row['speedup']:6.2f}x              {row['same_variables']}")
+    names = args.only.split(",") if args.only else EXAMPLES
+    backend = lmc.Local(device=args.device)
+    results = {"config": {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
+                          "machine": platform.node(), "cpus": os.cpu_count(), "note": args.note}, "examples": {}}
+    for name in names:
+        prog, items = load(name), instances(name, args.n)
+        compiled = prog.compile()
+        prog.run_batch(items[:2], backend=backend, temperature=0)  # warm-up (and the compiled program's traces)
+        compiled.run_batch(items, backend=backend, temperature=0)
+        modes = {"interpreted": lambda: prog.run_batch(items, backend=backend, temperature=0),
+                 "compiled": lambda: compiled.run_batch(items, backend=backend, temperature=0)}
+        runs = {m: [] for m in modes}
+        same = True
+        for _ in range(args.repeat):
+            for mode, run in modes.items():  # alternating, so drift in the machine's load hits both
+                runs[mode].append(measure(backend, run))
+            same &= runs["compiled"][-1]["variables"] == runs["interpreted"][-1]["variables"] and \
+                runs["compiled"][-1]["text"] == runs["interpreted"][-1]["text"]
+        row = {m: summary(r) for m, r in runs.items()}
+        row["speedup_median"] = row["compiled"]["programs_s_median"] / row["interpreted"]["programs_s_median"]
+        row["same_variables_and_text"] = same
+        row["segments"] = dict(compiled.stats)
+        results["examples"][name] = row
+        print(f"{name:17s} interpreted {row['interpreted']['programs_s_median']:7.2f} "
+              f"[{row['interpreted']['programs_s_min']:.2f}-{row['interpreted']['programs_s_max']:.2f}]  compiled "
+              f"{row['compiled']['programs_s_median']:7.2f} [{row['compiled']['programs_s_min']:.2f}-"
+              f"{row['compiled']['programs_s_max']:.2f}] programs/s  x{row['speedup_median']:.2f}  prefill "
+              f"{row['interpreted']['prefill_tokens_median']:.0f} -> {row['compiled']['prefill_tokens_median']:.0f}"
+              f"  forwards {row['interpreted']['forwards_median']:.0f} -> {row['compiled']['forwards_median']:.0f}"
+              f"  same={same}", flush=True)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:  # after every example: a long run stopped early keeps what it measured
+            json.dump(results, f, indent=2)
     backend.shutdown()
 
 

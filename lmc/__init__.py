@@ -6,14 +6,15 @@ imported when a `Local` backend is created, the `openai` client when an `OpenAI`
 from .backend.endpoint import RuntimeEndpoint
 from .backend.local import Local
 from .backend.openai import OpenAI, Usage, program_usage, total_usage
-from .frontend.choices import (ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection,
-                               token_length_normalized, unconditional_likelihood_normalized)
 from .frontend.primitives import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, assistant, assistant_begin,
                                   assistant_end, gen, gen_int, gen_string, image, select, system, system_begin,
                                   system_end, unordered, user, user_begin, user_end)
 from .frontend.program import (BatchAborted, Program, flush_cache, function, get_default_backend,
                                set_default_backend)
 from .frontend.state import ProgramState, ProgramStateGroup
+from . import compiler  # noqa: F401,E402 (registers Program.compile's implementation)
+from .protocol import (ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection, token_length_normalized,
+                       unconditional_likelihood_normalized)
 
 __version__ = "0.1.0"
 

@@ -501,36 +501,60 @@ def _serve(args) -> int:
 
 # ---- argument parsing -------------------------------------------------------------------------------------------
 def _compile(args) -> int:
-    """Print the program's graph (text, DOT, Mermaid or JSON) and, for text, the compiler's report as comments."""
+    """Print the program's first segment (text, DOT, Mermaid or JSON) and the compiler's report: as comments after
+    the text form, as the `report` of the one JSON object with --emit json."""
     from lmc.frontend.chat_template import ChatTemplate
-    from lmc.frontend.tracer import TraceError
-    from lmc.ir.export import to_dot, to_json, to_mermaid
+    from lmc.ir.export import graph_dict, to_dot, to_mermaid
     from lmc.ir.text import print_graph
 
+    from lmc.compiler.pipeline import PASSES
+
+    if args.passes:
+        for p in PASSES:
+            print(f"{p.name:18s} {'on ' if p.default else 'off'}  {p.doc}")
+        return 0
+    if args.program is None:
+        raise UsageError("compile needs a program (prog.py or prog.py:name), or --passes")
     path, prog = _load(args)
     concrete = {k: v for k, v in _parse_args(args.arg).items() if not isinstance(v, str)}
-    compiled = prog.compile(hoist=args.hoist)
     try:
-        g = compiled.graph(**concrete)
-    except TraceError as e:
-        print(f"lmc: tracing {prog.__name__} failed at {e}", file=sys.stderr)
-        return 1
-    emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid, "json": to_json}[args.emit]
+        compiled = prog.compile(hoist=args.hoist, disable=args.disable, enable=args.enable)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    g = compiled.graph(**concrete)
+    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json", "plan") else None
+    template = ChatTemplate.from_tokenizer(tokenizer)
+    if args.emit == "json":
+        report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
+        print(json.dumps({"graph": graph_dict(g), "report": report}, indent=2, sort_keys=True, default=repr))
+        return 0
+    if args.emit == "plan":  # what the executor runs the first segment with, on the local engine
+        from lmc.compiler.pipeline import Target
+        from lmc.protocol import Capabilities
+
+        target = Target("local", template, tokenizer, Capabilities(token_id_selects=tokenizer is not None))
+        plan = compiled.plan_for(target, **concrete).as_dict()
+        print(json.dumps({"target": target.kind, "graph": graph_dict(g), "plan": plan}, indent=2, sort_keys=True,
+                         default=repr))
+        return 0
+    emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid}[args.emit]
     sys.stdout.write(emit(g))
     if args.emit == "text":
-        tokenizer = _tokenizer(args.model)
-        report = compiled.report(template=ChatTemplate.from_tokenizer(tokenizer), tokenizer=tokenizer, **concrete)
+        report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
         for key, value in report.items():
             print(f"# {key}: {json.dumps(value)}")
     return 0
 
 
 def _tokenizer(model: str):
-    """The model's tokenizer alone (no weights): token counts and the chat template for the report."""
-    from transformers import AutoTokenizer
+    """The model's tokenizer alone (no weights), for token counts and the chat template of the report; None
+    when transformers (or the model's files) are not there: the report then counts characters and says so."""
+    try:
+        from transformers import AutoTokenizer
 
-    from lmc.runtime.model.loader import resolve
-
+        from lmc.runtime.model.loader import resolve
+    except ImportError:
+        return None
     src = resolve(model)
     return AutoTokenizer.from_pretrained(src.tokenizer_dir) if src.tokenizer_dir else None
 
@@ -627,8 +651,13 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(fn=_serve)
     c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
-    c.add_argument("program", help="prog.py or prog.py:name")
-    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json"], default="text")
+    c.add_argument("program", nargs="?", help="prog.py or prog.py:name")
+    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json", "plan"], default="text",
+                   help="json: the graph and the report; plan: the graph and the executor's plan for the local engine")
+    c.add_argument("--passes", action="store_true", help="list the passes (name, on/off by default, what it does)")
+    c.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
+    c.add_argument("--enable", action="append", default=[], metavar="PASS",
+                   help="switch an opt-in pass on (repeatable)")
     c.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a non-text argument to specialise the graph on (text arguments stay symbolic)")
     c.add_argument("--hoist", choices=["safe", "aggressive", "off"], default="safe",

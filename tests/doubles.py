@@ -1,12 +1,11 @@
 """Test doubles (never used by lmc itself)."""
-from lmc.frontend.chat_template import ChatTemplate
-from lmc.frontend.choices import ChoicesDecision
+from lmc.protocol import Capabilities, ChatTemplate, ChoicesDecision
 
 
 class ScriptedBackend:
     """Answers every gen with a fixed string and every select with its first choice, recording each call."""
 
-    supports_images = True
+    capabilities = Capabilities(images=True)
 
     def __init__(self, reply: str = "scripted"):
         self.reply, self.calls = reply, []

@@ -9,7 +9,7 @@ import lmc
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PROGRAM_FILES = ["few_shot_qa", "multi_turn_chat", "classification", "tip_suggestion", "tree_of_thought", "judge",
-                 "react_agent", "extraction"]
+                 "react_agent", "extraction", "calculator_agent", "counted_list"]
 
 
 def load(name: str):
@@ -92,3 +92,25 @@ def test_react_agent(backend):
     assert all(s["action"] in mod.ACTIONS for s in steps)
     assert {"thought", "action", "action_input", "answer", "steps"} <= set(state.variables())
     assert "Rome" in state["answer"]
+
+
+def test_calculator_agent(backend):
+    mod = load("calculator_agent")
+    assert (mod.calculate("12 * 7 + 5"), mod.calculate("2 / 0")) == ("89", "error: division by zero")
+    assert mod.calculate("__import__('os')").startswith("error")  # the tool evaluates arithmetic only
+    state = mod.calculator_agent.run(question="What is 12 times 7, plus 5?", temperature=0, backend=backend)
+    lines = state.text()[len(mod.PROMPT):].splitlines()
+    actions = [ln for ln in lines if ln.startswith("Action ")]
+    assert 1 <= len(actions) <= 3 and state["action"] in mod.ACTIONS
+    for action, obs in zip(actions, [ln for ln in lines if ln.startswith("Observation ")]):
+        expr = action.split("calculate[", 1)[1].rsplit("]", 1)[0]  # each observation is the tool's result
+        assert obs.split(": ", 1)[1] == mod.calculate(expr)
+    assert state["answer"] == state["action_input"].strip()
+
+
+def test_counted_list(backend):
+    state = load("counted_list").counted_list.run(topic="fruits", temperature=0, backend=backend)
+    count = int(state["count"])
+    assert 2 <= count <= 4
+    assert sorted(k for k in state.variables() if k.startswith("item_")) == [f"item_{i + 1}" for i in range(count)]
+    assert state["favourite"].strip()

@@ -18,10 +18,8 @@ import json
 import threading
 from typing import Any
 
-from ..frontend.chat_template import ChatTemplate
-from ..frontend.choices import ChoicesDecision, ChoicesSamplingMethod
-from ..frontend.primitives import GenParams, Image
-from .openai import Usage, record_usage, stream_usage, current_stream
+from ..protocol import Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
+from .usage import Usage, current_stream, record_usage, stream_usage
 
 _LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 
@@ -98,7 +96,7 @@ class _JinjaTemplate:
 
 
 class RuntimeEndpoint:
-    supports_images = False
+    capabilities = Capabilities()
 
     def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None, *,
                  chat_template: ChatTemplate | None = None, timeout: float = 600.0, max_connections: int = 256):
@@ -245,7 +243,6 @@ class RuntimeEndpoint:
                 raise ValueError(r["error"])
         record_usage([r["meta_info"] for r in rs], self)
         input_lps = [[tuple(x) for x in r["meta_info"]["input_token_logprobs"]] for r in rs]
-        normalized = [_mean([lp for lp, _, _ in lps if lp is not None]) for lps in input_lps]
         uncond = None
         if method.requires_unconditional_logprobs:
             ids = await self._choice_ids(choices)
@@ -253,8 +250,7 @@ class RuntimeEndpoint:
                                           "return_logprob": True, "logprob_start_len": 0})
             record_usage([r["meta_info"] for r in ur], self)
             uncond = [[tuple(x) for x in r["meta_info"]["input_token_logprobs"]] for r in ur]
-        return method(choices=choices, normalized_prompt_logprobs=normalized, input_token_logprobs=input_lps,
-                      output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=uncond)
+        return decide(method, choices, input_lps, uncond)
 
     async def _prompt_len(self, text: str) -> int:
         """Tokens in `text`: /tokenize on an lmc server (no engine work), else a prefill (SGLang's way)."""
@@ -308,6 +304,3 @@ class RuntimeEndpoint:
 
     close = shutdown
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0

@@ -1,14 +1,10 @@
 """`lmc.Local`: programs on the in-process engine (lmc.runtime, imported only when a Local is made)."""
 from __future__ import annotations
 
-from ..frontend.chat_template import ChatTemplate
-from ..frontend.choices import ChoicesDecision, ChoicesSamplingMethod
-from ..frontend.primitives import GenParams, Image
+from ..protocol import Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
 
 
 class Local:
-    supports_images = False
-
     def __init__(self, model: str = "smollm2-135m-instruct", engine=None, **engine_kwargs):
         from ..runtime import Engine
 
@@ -21,9 +17,10 @@ class Local:
         return f"Local({self.model!r})"
 
     @property
-    def shares_prefixes_in_batch(self) -> bool:
-        """The engine computes a prefix that queued requests share once: a batch needs no prefix hint."""
-        return self.engine.scheduler.shares_prefixes_in_batch
+    def capabilities(self) -> Capabilities:
+        """Selects by token ids; whether queued requests share a prefix's computation is the scheduler's."""
+        return Capabilities(token_id_selects=True,
+                            batch_prefix_sharing=self.engine.scheduler.shares_prefixes_in_batch)
 
     def _check(self, images: list[Image]) -> None:
         if images:
@@ -81,7 +78,6 @@ class Local:
         return rs
 
     async def _decide(self, choices: list[str], input_lps: list[list], method: ChoicesSamplingMethod):
-        normalized = [_mean([lp for lp, _, _ in lps if lp is not None]) for lps in input_lps]
         uncond = None
         if method.requires_unconditional_logprobs:
             tok = self.engine.tokenizer
@@ -89,8 +85,7 @@ class Local:
             ur = await self.engine.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
                                                   return_logprob=True, logprob_start_len=0)
             uncond = [r["meta_info"]["input_token_logprobs"] for r in ur]
-        return method(choices=choices, normalized_prompt_logprobs=normalized, input_token_logprobs=input_lps,
-                      output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=uncond)
+        return decide(method, choices, input_lps, uncond)
 
     async def commit(self, text: str) -> None:
         if text:
@@ -102,6 +97,3 @@ class Local:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0

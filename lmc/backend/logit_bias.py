@@ -14,7 +14,7 @@ text, allowed ids); lmc/backend/openai.py makes the calls.
 """
 from __future__ import annotations
 
-from ..frontend.primitives import REGEX_BOOL, REGEX_STR
+from ..protocol import REGEX_BOOL, REGEX_STR
 
 BIAS = 100
 MAX_BIAS_TOKENS = 300

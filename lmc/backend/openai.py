@@ -48,116 +48,19 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
-from ..frontend.chat_template import ROLES, ChatTemplate
-from ..frontend.choices import ChoicesDecision, ChoicesSamplingMethod
-from ..frontend.primitives import GenParams, Image
+from ..protocol import ROLES, Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
+from .endpoint import _httpx, template_from_model_info
 from .logit_bias import DTYPE_PATTERNS, Stepper, Vocabulary, load_tokenizer
+from .usage import (Usage, current_stream, program_usage, record_usage, stream_usage,  # noqa: F401 (re-exported)
+                    total_usage)
 
 COMPLETION_MODELS = {"gpt-3.5-turbo-instruct", "davinci-002", "babbage-002", "text-davinci-003"}
-_USAGE_KEY = "__lmc_usage__"
 _SPEC_ATTR = "_lmc_spec_buffer"
 _RETRY_STATUS = {408, 409, 429}
 LOWERINGS = ("auto", "server", "json_schema", "logit_bias")
-
-
-# ---- usage accounting ------------------------------------------------------------------------------------------
-@dataclass
-class Usage:
-    calls: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    calls_saved: int = 0  # gens served by a speculative call instead of their own
-    retries: int = 0
-    cache_hits: int = 0  # requests answered by the response cache (not sent)
-    bias_calls: int = 0  # calls made by logit-bias stepping (also counted in calls)
-
-    def add(self, other: "Usage") -> "Usage":
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return self
-
-    def __add__(self, other: "Usage") -> "Usage":
-        return Usage().add(self).add(other)
-
-    @property
-    def billed_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "billed_tokens": self.billed_tokens}
-
-    def summary(self) -> str:
-        return (f"{self.calls} call(s), {self.prompt_tokens} prompt tokens ({self.cached_tokens} cached), "
-                f"{self.completion_tokens} completion tokens, {self.calls_saved} call(s) saved by speculation"
-                + (f", {self.cache_hits} response-cache hit(s)" if self.cache_hits else "")
-                + (f", {self.bias_calls} logit-bias step call(s)" if self.bias_calls else "")
-                + (f", {self.retries} retr{'y' if self.retries == 1 else 'ies'}" if self.retries else ""))
-
-
-def current_stream():
-    """The program stream whose expression is executing (backend coroutines run inside Stream._drain)."""
-    from ..frontend.state import Stream
-
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        return None
-    if task is None:
-        return None
-    frame = getattr(task.get_coro(), "cr_frame", None)
-    s = frame.f_locals.get("self") if frame is not None else None
-    return s if isinstance(s, Stream) else None
-
-
-def stream_usage(stream) -> Usage | None:
-    """The Usage of a stream, created on first use. It lives in the stream's meta table, which forks copy, so the
-    branches of a fork (made after the parent's first call or commit) add to the program's one Usage."""
-    if stream is None:
-        return None
-    u = stream.meta.get(_USAGE_KEY)
-    if u is None:
-        u = stream.meta[_USAGE_KEY] = Usage()
-    return u
-
-
-def record_usage(metas, backend=None, *, calls: int = 1, usage: Usage | None = None) -> Usage:
-    """Add one call's token counts (native meta_info dicts, or a Usage) to the running program and backend."""
-    if usage is None:
-        usage = Usage(calls=calls)
-        for m in metas if isinstance(metas, list) else [metas]:
-            usage.prompt_tokens += int(m.get("prompt_tokens") or 0)
-            usage.cached_tokens += int(m.get("cached_tokens") or 0)
-            usage.completion_tokens += int(m.get("completion_tokens") or 0)
-    target = stream_usage(current_stream())
-    if target is not None:
-        target.add(usage)
-    if backend is not None and hasattr(backend, "usage"):
-        with backend._usage_lock:
-            backend.usage.add(usage)
-    return usage
-
-
-def program_usage(state) -> Usage:
-    """The API usage of one program run (a ProgramState), forks included."""
-    s = getattr(state, "_s", state)
-    u = getattr(s, "meta", {}).get(_USAGE_KEY)
-    return Usage().add(u) if u is not None else Usage()
-
-
-def total_usage(states) -> Usage:
-    """Summed usage of the states of a run_batch (a Usage shared by several states counts once)."""
-    seen, total = set(), Usage()
-    for st in states:
-        s = getattr(st, "_s", None)
-        u = getattr(s, "meta", {}).get(_USAGE_KEY) if s is not None else None
-        if u is not None and id(u) not in seen:
-            seen.add(id(u))
-            total.add(u)
-    return total
 
 
 # ---- chat messages from the state --------------------------------------------------------------------------------
@@ -292,12 +195,11 @@ class OpenAI:
         self.server = self._detect(server)
         tmpl = chat_template
         if tmpl is None and self.server == "lmc":
-            from .endpoint import template_from_model_info
 
             tmpl = template_from_model_info(self.model_info)
         self.chat_template = tmpl or ChatTemplate.plain()
         self.exact_template = self.server == "lmc" and chat_template is None
-        self.supports_images = self.is_chat_model and self.server != "lmc"
+        self.capabilities = Capabilities(images=self.is_chat_model and self.server != "lmc")
         self.usage = Usage()
         self._usage_lock = threading.Lock()
         self._clients: dict[int, Any] = {}
@@ -321,7 +223,6 @@ class OpenAI:
             return server
         if not self.base_url or "api.openai.com" in self.base_url:
             return "openai"
-        from .endpoint import _httpx
 
         httpx = _httpx()
         try:
@@ -766,7 +667,6 @@ class OpenAI:
             lp = ch.get("logprobs") or {}
             toks, vals = lp.get("tokens") or [], lp.get("token_logprobs") or []
             input_lps.append([(v, None, t) for v, t in zip(vals[start:], toks[start:])])
-        normalized = [_mean([v for v, _, _ in row if v is not None]) for row in input_lps]
         uncond = None
         if method.requires_unconditional_logprobs:
             prompts = await self._choice_prompts(choices)
@@ -776,14 +676,12 @@ class OpenAI:
             for ch in sorted(ur["choices"], key=lambda c: c.get("index", 0)):
                 lp = ch.get("logprobs") or {}
                 uncond.append([(v, None, t) for v, t in zip(lp.get("token_logprobs") or [], lp.get("tokens") or [])])
-        return method(choices=choices, normalized_prompt_logprobs=normalized, input_token_logprobs=input_lps,
-                      output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=uncond)
+        return decide(method, choices, input_lps, uncond)
 
     async def _tokenize(self, prompt, add_special_tokens: bool = True):
         """lmc's /tokenize (no engine work, not billed), or None where the server has none."""
         if self.server != "lmc":
             return None
-        from .endpoint import _httpx
 
         async with _httpx().AsyncClient(timeout=self.timeout) as c:
             r = await c.post(self.root_url + "/tokenize", json={"prompt": prompt,
@@ -835,8 +733,7 @@ class OpenAI:
         if self._cache is not None:
             self._cache.clear()
         if self.server in ("lmc", "sglang"):
-            from .endpoint import _httpx
-
+    
             r = _httpx().post(self.root_url + "/flush_cache", headers={"Authorization": f"Bearer {self.api_key}"},
                               timeout=self.timeout)
             return r.status_code == 200
@@ -971,6 +868,3 @@ def _err_message(e) -> str:
             return body["message"]
     return str(getattr(e, "message", None) or e)
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0

@@ -7,61 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Callable
 
-REGEX_INT = r"[-+]?[0-9]+[ \n]*"
-REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
-REGEX_BOOL = r"(True|False)"
-REGEX_STR = r"\"[\w\d\s]*\""
+# re-exported: the language's names (lmc.gen's params, the regex constants) live in the protocol below it
+from ..protocol.params import DEFAULT_PARAMS, REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, GenParams  # noqa: F401
+from ..protocol.params import Image as ProtocolImage
 
 _DTYPES = {int: int, "int": int, float: float, "float": float, bool: bool, "bool": bool, str: str, "str": str}
-_DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
-
-
-@dataclass
-class GenParams:
-    """Sampling options of one gen; None means "inherit the program-level value from run()"."""
-
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    ignore_eos: bool | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    seed: int | None = None
-    regex: str | None = None
-    json_schema: str | None = None
-    dtype: type | None = None
-
-    def merged_over(self, defaults: "GenParams") -> "GenParams":
-        """This gen's values where set, the program's defaults elsewhere."""
-        return replace(defaults, **{f.name: getattr(self, f.name) for f in fields(self)
-                                    if getattr(self, f.name) is not None})
-
-    def engine_params(self) -> dict[str, Any]:
-        """The engine's sampling dict (SGLang's defaults for what is still unset)."""
-        p = {f.name: getattr(self, f.name) for f in fields(self)
-             if getattr(self, f.name) is not None and f.name not in ("n", "dtype")}
-        if self.dtype is not None and self.regex is None and self.json_schema is None:
-            p["regex"] = _DTYPE_REGEX[self.dtype]
-        p.setdefault("max_new_tokens", 128)
-        return p
-
-
-# Program-level defaults, as SGLang's run(): every field set.
-DEFAULT_PARAMS = GenParams(max_new_tokens=128, min_new_tokens=0, n=1, stop=None, stop_token_ids=None,
-                           temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0,
-                           presence_penalty=0.0, ignore_eos=False)
 
 
 class Expr:
@@ -77,6 +30,8 @@ def _as_expr(x) -> Expr:
         return x
     if isinstance(x, str):
         return Text(x)
+    if hasattr(x, "__lmc_text__"):  # a value being traced (lmc.compiler.trace.Symbol)
+        return Text(x.__lmc_text__())
     raise TypeError(f"cannot append {type(x).__name__} to a program state: use a str or an lmc expression")
 
 
@@ -129,11 +84,14 @@ class RoleEnd(Expr):
 
 @dataclass(eq=False)
 class Unordered(Expr):
-    """Segments whose order the author declares irrelevant (few-shot examples, retrieved documents). The
-    interpreter keeps the written order; the compiler may put them in one canonical order across instances, so
-    that they become a shared prefix."""
+    """Segments whose order the author declares irrelevant (few-shot examples, retrieved documents). They render
+    in one canonical (sorted) order, interpreted and compiled alike, so that across instances they become a
+    shared prefix."""
 
     segments: list[str]
+
+    def render(self) -> str:
+        return "".join(sorted(self.segments))
 
 
 def unordered(*segments: str) -> Unordered:
@@ -142,10 +100,8 @@ def unordered(*segments: str) -> Unordered:
     return Unordered(list(segments))
 
 
-@dataclass(eq=False)
-class Image(Expr):
-    data: bytes  # encoded image file (PNG/JPEG)
-    mime: str = "image/png"
+class Image(ProtocolImage, Expr):
+    """An image in a program's text (the protocol's Image, as an expression)."""
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,

@@ -24,6 +24,17 @@ _default_backend = None
 # (backend, defaults) of the program body running in this thread: nested calls inherit them.
 _caller: contextvars.ContextVar = contextvars.ContextVar("lmc_caller", default=None)
 _SAMPLING_ARGS = {f.name for f in fields(GenParams)} - {"regex", "json_schema", "dtype"}
+# The tracer or replay a program body runs under (set by lmc.compiler): it decides what a nested program call
+# becomes (`call(...)`, `nested_run(...)`). None: a plain run.
+tracing: contextvars.ContextVar = contextvars.ContextVar("lmc_tracing", default=None)
+# Program.compile's implementation, registered by lmc.compiler (which lmc/__init__ imports): the frontend does not
+# import the compiler, which builds on it.
+_compiler: Callable | None = None
+
+
+def register_compiler(factory: Callable) -> None:
+    global _compiler
+    _compiler = factory
 
 
 def set_default_backend(backend) -> None:
@@ -89,9 +100,8 @@ class Program:
     def _start(self, args: tuple, kwargs: dict, sampling: dict, backend, stream: bool = False) -> ProgramState:
         """Create the stream and run the body (in this thread, or a new one when streaming). Does not wait for
         the queued work."""
-        from .tracer import nested_call_while_tracing
-
-        nested_call_while_tracing(self)
+        if tracing.get() is not None:
+            tracing.get().nested_run(self)
         backend, defaults = resolve_backend(backend), resolve_defaults(sampling)
         state = ProgramState(Stream(backend, defaults, stream, self.num_api_spec_tokens))
         arguments = self._arguments(args, kwargs)
@@ -127,9 +137,8 @@ class Program:
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         ignore_eos=ignore_eos, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num, seed=seed)
-        from .tracer import traced_call
-
-        traced = traced_call(self, args, kwargs, sampling, stream)
+        ctx = tracing.get()
+        traced = None if ctx is None else ctx.call(self, args, kwargs, sampling, stream)
         if traced is not None:  # called from a program being compiled: a `call` node, not a run
             return traced
         state = self._start(args, kwargs, sampling, backend, stream)
@@ -199,14 +208,12 @@ class Program:
         return results
 
     def compile(self, hoist: str = "safe", fork_commit: bool = True, fork_batch: bool = True,
-                select_lowering: bool = True):
-        """Trace into a ProgramGraph and return a compiled program (run / run_batch / arun_batch). `hoist`:
-        "safe" (only meaning-preserving moves), "aggressive" (also the suggested ones), or "off"; the other flags
-        switch single passes off (for ablations)."""
-        from .compiled import CompiledProgram
-
-        return CompiledProgram(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch,
-                               select_lowering=select_lowering)
+                select_lowering: bool = True, disable=(), enable=()):
+        """A compiled program (run / run_batch / arun_batch), traced into segments on first use. `disable` /
+        `enable`: pass names (`lmc compile --passes` lists them). `hoist`: "safe" (only meaning-preserving
+        moves), "aggressive" (also the suggested ones), or "off"; the other flags switch single passes off."""
+        return _compiler(self, hoist=hoist, fork_commit=fork_commit, fork_batch=fork_batch,
+                         select_lowering=select_lowering, disable=disable, enable=enable)
 
     async def arun(self, *args, **kwargs) -> ProgramState:
         return await asyncio.to_thread(self.run, *args, **kwargs)

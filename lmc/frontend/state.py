@@ -19,7 +19,8 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Iterator
 
-from .choices import token_length_normalized
+from ..protocol import capabilities, token_length_normalized
+from ..protocol.backend import set_current_stream
 from .primitives import (DEFAULT_PARAMS, Expr, ExprList, Gen, GenParams, Image, RoleBegin, RoleEnd, Select, Text,
                          Unordered, _as_expr)
 
@@ -48,10 +49,18 @@ class VarScopeEnd(Expr):
 
 
 class VarRead(Expr):
-    """Append the current value of a variable (what a traced `s["x"]` inside text becomes)."""
+    """Append the current value of a variable (what a traced `s["x"]` inside text becomes), with the argument-free
+    str methods the program applied to it."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, transforms: tuple[str, ...] = ()):
+        self.name, self.transforms = name, transforms
+
+
+class SetVar(Expr):
+    """Set a variable in order with the stream's other work (what a traced `s["x"] = value` becomes)."""
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
 
 
 class Commit(Expr):
@@ -79,6 +88,10 @@ class Stream:
         self.fork_start = 0
         self.scopes: dict[str, int] = {}
         self.error: BaseException | None = None
+        # Compiled execution only: body operation -> variable -> (value, meta) produced by it, shared by a
+        # stream and its forks (what a resumed trace replays, lmc.compiler.trace). None: not recorded.
+        self.history: dict[int, dict[str, tuple]] | None = None
+        self._op: int | None = None  # the body operation of the expression executing now
         self._cond = threading.Condition()
         self._queued = 0  # submitted, not yet executed
         self._pending = Counter()  # variable -> producers queued
@@ -135,10 +148,12 @@ class Stream:
             self._loop.create_task(self._drain())
 
     async def _drain(self) -> None:
+        set_current_stream(self)  # this task's backend calls serve this stream
         while self._items:
             e = self._items.popleft()
             try:
                 if self.error is None:
+                    self._op = getattr(e, "op", None)
                     await self._execute(e)
             except Exception as exc:  # the stream stops executing; readers of its variables get this error
                 self.error = exc
@@ -184,14 +199,14 @@ class Stream:
         elif isinstance(e, Select):
             method = e.choices_method or token_length_normalized
             decision = None
-            if e.token_ids is not None and hasattr(self.backend, "select_tokens"):
+            if e.token_ids is not None and capabilities(self.backend).token_id_selects:
                 decision = await self.backend.select_tokens(self.text, e.choices, e.token_ids, method)
             if decision is None:
                 decision = await self.backend.select(self.text, e.choices, e.temperature, method)
             self._append(decision.decision)
             self._set(e.name, decision.decision, decision.meta_info)
         elif isinstance(e, Image):
-            if not getattr(self.backend, "supports_images", False):
+            if not capabilities(self.backend).images:
                 raise ValueError(f"image(): the backend {self.backend!r} serves a text-only model; images need a "
                                  "vision-capable API backend")
             self.images.append(e)
@@ -200,9 +215,15 @@ class Stream:
         elif isinstance(e, VarScopeEnd):
             self._set(e.name, self.text[self.scopes.pop(e.name):], None)
         elif isinstance(e, Unordered):
-            self._append("".join(e.segments))
+            self._append(e.render())
         elif isinstance(e, VarRead):
-            self._append(str(self.vars[e.name]))
+            value = self.vars[e.name]
+            for t in e.transforms:
+                value = getattr(str, t)(value) if isinstance(value, str) else value
+            self._append(str(value))
+        elif isinstance(e, SetVar):
+            self.vars[e.name] = e.value
+            self.record(self._op, {e.name: (e.value, None)})
         elif isinstance(e, Commit):
             await self.backend.commit(self.text)
         elif isinstance(e, ConcatAppend):
@@ -233,6 +254,11 @@ class Stream:
         if name is not None:
             self.vars[name] = value
             self.meta[name] = meta
+            self.record(self._op, {name: (value, meta)})
+
+    def record(self, op: int | None, values: dict[str, tuple]) -> None:
+        if self.history is not None and op is not None:
+            self.history.setdefault(op, {}).update(values)
 
     # ---- forking -------------------------------------------------------------------------------------------
     def child(self) -> "Stream":
@@ -240,6 +266,7 @@ class Stream:
         c.text, c.messages, c.images = self.text, list(self.messages), list(self.images)
         c.vars, c.meta = dict(self.vars), dict(self.meta)
         c.role, c.role_begin, c.fork_start = self.role, self.role_begin, len(self.text)
+        c.history = self.history
         return c
 
 
@@ -395,6 +422,11 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, state) -> None:
+        """`forks[i] += x` appends to branch i, then assigns the branch back (SGLang allows it)."""
+        if state is not self.states[i]:
+            raise TypeError("a fork's branches cannot be replaced; `forks[i] += ...` appends to branch i")
 
     def __len__(self) -> int:
         return len(self.states)

@@ -6,7 +6,7 @@ import json
 from .graph import ProgramGraph
 
 _SHAPES = {"gen": "box", "select": "box", "fork": "trapezium", "join": "invtrapezium", "branch": "diamond",
-           "dynamic": "octagon", "call": "component"}
+           "break": "octagon", "call": "component"}
 
 
 def label(g: ProgramGraph, nid: int, width: int = 40) -> str:
@@ -17,7 +17,8 @@ def label(g: ProgramGraph, nid: int, width: int = 40) -> str:
               "fork": lambda: str(a["size"]), "fork_item": lambda: str(a["index"]), "join": lambda: a["mode"],
               "role_begin": lambda: a["role"], "role_end": lambda: a["role"], "image": lambda: str(a["source"]),
               "var_scope": lambda: f"{a['edge']} {a['name']}", "call": lambda: a["program"],
-              "branch": lambda: f"{a['var']} {a['op']} {a['value']!r}", "dynamic": lambda: a["reason"],
+              "branch": lambda: f"{a['var']} {a['op']} {a['value']!r}", "break": lambda: a["reason"],
+              "set_var": lambda: a["name"],
               "unordered": lambda: f"{len(a['segments'])} segments"}[node.kind]()
     detail = detail if len(detail) <= width else detail[:width - 3] + "..."
     return f"%{nid} {node.kind} {detail}"
@@ -47,9 +48,13 @@ def to_mermaid(g: ProgramGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_json(g: ProgramGraph) -> str:
-    return json.dumps({
-        "name": g.name, "params": list(g.params),
+def graph_dict(g: ProgramGraph) -> dict:
+    return {
+        "name": g.name, "params": list(g.params), "inputs": None if g.inputs is None else list(g.inputs),
         "nodes": [{"id": n, "kind": g.node(n).kind, "stream": g.node(n).stream, **g.node(n).attrs} for n in g.order()],
         "edges": [{"source": s, "target": d, **a} for s, d, a in g.edges()],
-    }, indent=2, sort_keys=True)
+    }
+
+
+def to_json(g: ProgramGraph) -> str:
+    return json.dumps(graph_dict(g), indent=2, sort_keys=True, default=repr)

@@ -3,7 +3,13 @@
 Nodes (kind -> attributes) follow the SGLang paper's IR plus what data-dependent control flow needs:
     text{value}  arg{name}  gen{name, params}  select{name, choices, method, temperature}  var{name}
     fork{size}  fork_item{index}  join{mode}  role_begin{role}  role_end{role}  image{source}
-    var_scope{name, edge: begin|end}  call{name, program, args}  branch{var, op, value}  dynamic{reason, line}
+    var_scope{name, edge: begin|end}  call{name, program, args}  branch{var, op, value}  set_var{name, value}
+    break{reason, line, resume, interpret}
+A gen or select written without a name is named for the graph and marked `anonymous` (it sets no variable).
+A var node may carry `transforms` (argument-free str methods applied to the value, e.g. ["strip"]). A break ends
+a segment where the program's host code needs concrete values: `resume` is the number of body operations before
+it (where tracing resumes), `interpret` says the interpreter runs the rest instead. A segment traced after a
+break reads variables produced before it: they are the graph's `inputs`.
 A call runs another program with arguments made of text/arg/var parts; its variables read as var nodes named
 "<call name>.<variable>". Every node belongs to a stream (an integer; 0 is the program's main stream, forks open new ones).
 Edges have a kind: `order` (next operation of the same stream; out of a branch it also carries `when`, the
@@ -22,7 +28,8 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "select": ("name", "choices", "method", "temperature"), "var": ("name",), "fork": ("size",),
     "fork_item": ("index",), "join": ("mode",), "role_begin": ("role",), "role_end": ("role",),
     "image": ("source",), "var_scope": ("name", "edge"), "call": ("name", "program", "args"),
-    "branch": ("var", "op", "value"), "dynamic": ("reason", "line"), "unordered": ("segments", "canonical"),
+    "branch": ("var", "op", "value"), "break": ("reason", "line", "resume", "interpret"),
+    "unordered": ("segments",), "set_var": ("name", "value"),
 }
 EDGE_KINDS = ("order", "data", "fork")
 
@@ -39,13 +46,19 @@ class Node:
 
 
 class ProgramGraph:
-    def __init__(self, name: str = "program", params: tuple[str, ...] = ()):
+    def __init__(self, name: str = "program", params: tuple[str, ...] = (), inputs: tuple[str, ...] | None = None):
+        # inputs: None for a program's first segment; for a segment after a break, the variables defined before it
         self.name, self.params = name, tuple(params)
+        self.inputs = None if inputs is None else tuple(inputs)
         self.g = nx.DiGraph()
         self._next = 0
         # Runtime only (not printed, not compared): the Program each call node names. A graph parsed from text
-        # has none, so its calls cannot run.
+        # has none, so its calls cannot run. Likewise the choice-method object of a select (by node id), and the
+        # body operation each node came from (what the executor records produced values under, for resuming).
         self.callees: dict[str, Any] = {}
+        self.methods: dict[int, Any] = {}
+        self.op_of: dict[int, int] = {}
+        self.plans: dict[int, tuple[Any, Any]] = {}  # id(backend) -> (backend, the executor's plan for it)
 
     # ---- building ------------------------------------------------------------------------------------------
     def add(self, kind: str, stream: int = 0, after: int | None = None, node_id: int | None = None,
@@ -100,7 +113,7 @@ class ProgramGraph:
     def __eq__(self, other) -> bool:
         if not isinstance(other, ProgramGraph):
             return NotImplemented
-        return (self.name, self.params) == (other.name, other.params) and \
+        return (self.name, self.params, self.inputs) == (other.name, other.params, other.inputs) and \
             {n: self.node(n) for n in self.g.nodes} == {n: other.node(n) for n in other.g.nodes} and \
             list(self.edges()) == list(other.edges())
 
@@ -110,7 +123,7 @@ class ProgramGraph:
         if not nx.is_directed_acyclic_graph(self.g):
             cycle = nx.find_cycle(self.g)
             raise IRValidationError(f"the graph has a cycle: {' -> '.join(f'%{a}' for a, _ in cycle)}")
-        produced: set[str] = set()
+        produced: set[str] = set(self.inputs or ())
         texts_before: dict[int, bool] = {}
         for nid in self.order():
             node = self.node(nid)
@@ -120,11 +133,11 @@ class ProgramGraph:
             preds = self.predecessors(nid, "order") + self.predecessors(nid, "fork")
             texts_before[nid] = node.kind in ("text", "arg", "var", "gen", "select", "role_begin", "unordered") or \
                 any(texts_before[p] for p in preds)
-            if node.kind == "fork" and not any(texts_before[p] for p in preds):
+            if node.kind == "fork" and self.inputs is None and not any(texts_before[p] for p in preds):
                 raise IRValidationError(f"%{nid}: fork before any text (a fork shares its parent's prefix)")
             if node.kind in ("gen", "select") and node.attrs["name"] is not None:
                 produced.add(node.attrs["name"])
-            if node.kind == "var_scope" and node.attrs["edge"] == "end":
+            if node.kind == "set_var" or node.kind == "var_scope" and node.attrs["edge"] == "end":
                 produced.add(node.attrs["name"])
             if node.kind == "call":
                 produced.add(node.attrs["name"] + ".")
@@ -137,4 +150,8 @@ class ProgramGraph:
         return self
 
     def static(self) -> bool:
-        return self.count("dynamic") == 0
+        """No graph break: the whole program is this one segment."""
+        return self.count("break") == 0
+
+    def breaks(self) -> list[int]:
+        return [n for n in self.order() if self.node(n).kind == "break"]

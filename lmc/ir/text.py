@@ -24,7 +24,8 @@ def _json(v) -> str:
 
 
 def print_graph(g: ProgramGraph) -> str:
-    lines = [f"program {g.name}({', '.join(g.params)}) {{"]
+    after = f" after({', '.join(g.inputs)})" if g.inputs is not None else ""
+    lines = [f"program {g.name}({', '.join(g.params)}){after} {{"]
     for nid in g.order():
         node = g.node(nid)
         preds = []
@@ -62,8 +63,11 @@ class _ToGraph(Transformer):
     def array(self, *items):
         return list(items)
 
-    def header(self, name, *params):
-        return str(name), tuple(str(p) for p in params if p is not None)
+    def names(self, *names):
+        return tuple(str(n) for n in names if n is not None)
+
+    def header(self, name, params, inputs=None):
+        return str(name), params, inputs
 
     def pred(self, kind, ref, when=None):
         return str(kind), int(ref[1:]), (str(when) if when is not None else None)
@@ -91,12 +95,18 @@ def _parser() -> Lark:
     return Lark((Path(__file__).parent / "grammar.lark").read_text(), parser="lalr")
 
 
-def parse_graph(text: str) -> ProgramGraph:
-    from lark.exceptions import LarkError, VisitError
+def parse_graph(text: str, validate: bool = True) -> ProgramGraph:
+    """Parse the text format; the graph is validated unless `validate` is False (for tests of the format on
+    arbitrary graphs). Syntax errors name the line and column."""
+    from lark.exceptions import LarkError, UnexpectedInput, VisitError
 
     try:
-        return _ToGraph().transform(_parser().parse(text))
+        g = _ToGraph().transform(_parser().parse(text))
     except VisitError as e:
         raise e.orig_exc if isinstance(e.orig_exc, IRValidationError) else IRValidationError(str(e.orig_exc))
+    except UnexpectedInput as e:
+        where = f"line {e.line}, column {e.column}"
+        raise IRValidationError(f"not a valid lmc IR text at {where}:\n{e.get_context(text)}") from None
     except LarkError as e:
         raise IRValidationError(f"not a valid lmc IR text: {e}") from None
+    return g.validate() if validate else g

@@ -2,7 +2,8 @@
 the real tokenizer by replaying the graph's prompts against a simulated prefix cache.
 
 Arguments take example values (or a placeholder), a gen's output is estimated by `max_new_tokens` filler tokens.
-Graphs with branches are costed along their first outcome; dynamic regions are not costed (reported as such).
+Graphs with branches are costed along their first outcome; costing stops at a graph break (what follows depends on
+run-time values).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
         elif node.kind == "unordered":
             segs = ["".join(p["text"] if "text" in p else str(args.get(p["arg"], "")) for p in seg)
                     for seg in a["segments"]]
-            text += "".join(sorted(segs) if a["canonical"] else segs)
+            text += "".join(sorted(segs))
         elif node.kind == "gen":
             call(text)
             text += " x" * int(a["params"].get("max_new_tokens", 16))
@@ -101,7 +102,7 @@ def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
             nxt = g.successors(join, "order")
         elif node.kind == "branch":
             nxt = [e for e in nxt if e[1].get("when") == "false"] or nxt
-        elif node.kind == "dynamic":
+        elif node.kind == "break":
             return text
         nid = nxt[0][0] if nxt else None
     return text

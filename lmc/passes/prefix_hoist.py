@@ -24,8 +24,8 @@ def render_constant(g: ProgramGraph, nid: int, template, args: dict | None = Non
     if node.kind == "text":
         return node.attrs["value"]
     if node.kind == "unordered":
-        if not node.attrs["canonical"] or any("arg" in p for seg in node.attrs["segments"] for p in seg):
-            return None  # instance-dependent order or content
+        if any("text" not in p for seg in node.attrs["segments"] for p in seg):
+            return None  # instance-dependent content (its sorted order depends on it too)
         return "".join(sorted("".join(p["text"] for p in seg) for seg in node.attrs["segments"]))
     return (template.prefix if node.kind == "role_begin" else template.suffix)[node.attrs["role"]]
 
@@ -71,18 +71,6 @@ def fork_commit_texts(g: ProgramGraph, template) -> dict[int, str]:
             common = common[:k]
         out[nid] = common
     return out
-
-
-def canonicalize_unordered(g: ProgramGraph) -> int:
-    """Segments the author marked order-free are put in one canonical (sorted) order: provably safe, since the
-    author declared the order irrelevant. Returns how many groups were canonicalised."""
-    n = 0
-    for nid in g.g.nodes:
-        node = g.node(nid)
-        if node.kind == "unordered" and not node.attrs["canonical"]:
-            node.attrs["canonical"] = True
-            n += 1
-    return n
 
 
 def hoist_suggestions(g: ProgramGraph) -> list[dict]:
