@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .worker_api import add_worker_routes
 
 log = logging.getLogger(__name__)
 
@@ -704,6 +705,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         text = svc.metrics.render(svc.engine.stats(), slot_accounting(svc.engine))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    add_worker_routes(app, svc)  # what a gateway calls beyond the serving API (worker_api.py)
     return app
 
 

@@ -69,6 +69,9 @@ class _SamplingFields(_Strict):
     json_schema: Optional[Union[dict, str]] = None
     structured_outputs: Optional[StructuredOutputs] = None
     rid: Optional[str] = None
+    # SGLang's gateway (sglang-router) re-serializes each request with these, at these values
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -109,6 +112,9 @@ class ChatCompletionRequest(_SamplingFields):
     store: Optional[bool] = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # sent by SGLang's gateway; no-ops without a reasoning parser (as in SGLang without --reasoning-parser)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class GenerateRequest(_Strict):
@@ -131,3 +137,9 @@ class GenerateRequest(_Strict):
     custom_logit_processor: Optional[Any] = None
     return_hidden_states: bool = False
     log_metrics: bool = True
+    # sent by SGLang's gateway on every forwarded /generate, at these values (`model` is not checked: one model)
+    model: Optional[str] = None
+    background: Literal[False] = False
+    no_logs: bool = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
