@@ -94,6 +94,10 @@ def test_run_batch_through_gateway_equals_single_engine(replicas, engine):
     want = qa.run_batch(topics, backend=lmc.Local(engine=engine), num_threads=6, **GREEDY)
     assert [type(s).__name__ for s in got] == ["ProgramState"] * len(topics)
     assert [(s["fact"], s["more"]) for s in got] == [(s["fact"], s["more"]) for s in want]
+    # lmc.OpenAI on the gateway's /v1, as on one server
+    api = lmc.OpenAI("smollm2-135m-instruct", base_url=replicas.url + "/v1", api_key=KEY, is_chat_model=False)
+    got = qa.run_batch(topics[:3], backend=api, num_threads=3, return_exceptions=True, **GREEDY)
+    assert [(s["fact"], s["more"]) for s in got] == [(s["fact"], s["more"]) for s in want[:3]]
 
 
 def test_stop_leaves_no_process_behind(replicas):

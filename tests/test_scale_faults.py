@@ -4,7 +4,8 @@ the X-SMG-Routing-Key header that lmc.RuntimeEndpoint sends once per program ins
 - affinity: every call of one program reaches the replica that holds its prefix;
 - a replica killed with SIGKILL in the middle of a run_batch: no program is lost silently (each one finishes or
   carries a clear error), the launcher restarts the replica and the gateway sends to it again;
-- a replica answering 503 (its admission limit, --max-pending, is full) sheds the gateway's traffic to the other.
+- a replica answering 503 (its admission limit, --max-pending, is full) sheds the gateway's traffic to the other;
+- the launcher killed with SIGKILL leaves no child behind.
 """
 import os
 import signal
@@ -133,8 +134,14 @@ def test_overloaded_replica_sheds_load_to_the_other(replicas):
     assert after[1] - before[1] == 6
 
 
-def test_stop_leaves_no_process_behind(replicas):
-    pids = set(replicas.pids)  # the gateway, both replicas and the restarted one
-    assert len(pids) == 4
-    assert replicas.stop() == 0
-    assert [p for p in pids if alive(p)] == []
+def test_launcher_killed_leaves_no_process_behind(replicas):
+    """Even SIGKILL of the launcher (no cleanup code runs) takes its children down: each one gets SIGTERM when
+    its parent dies (PR_SET_PDEATHSIG). test_scale.py checks the graceful stop."""
+    children = set(replicas.pids) - {replicas.proc.pid}  # the gateway, both replicas and the restarted one
+    assert len(children) == 4 and all(alive(p) for p in children - {replicas.info["replicas"][0]["pid"]})
+    replicas.proc.kill()
+    replicas.proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while [p for p in children if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in children if alive(p)] == []

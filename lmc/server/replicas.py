@@ -285,15 +285,23 @@ class ReplicaSet:
                 "replicas": [{"index": p.index, "url": u, "pid": c.pid, "cpus": list(p.cpus), "gpu": p.gpu}
                              for p, c, u in zip(self.plans, self.replicas, self.replica_urls())]}
 
-    def supervise(self, poll: float = 0.5) -> int:
-        """Until stopped: restart a replica that exits; return the gateway's status if it exits."""
+    def supervise(self, poll: float = 0.5, max_restarts: int = 5, window: float = 300.0) -> int:
+        """Until stopped: restart a replica that exits; return the gateway's status if it exits, or 1 when a
+        replica has exited `max_restarts` times within `window` seconds (a crash loop is not retried forever)."""
         out = self.log_file if self.log_file is not None else sys.stderr
+        exits: list[float] = []
         while not self._stopping:
             if not self.gateway.alive():
                 log.error("the gateway exited with status %s; stopping the replicas", self.gateway.proc.returncode)
                 return self.gateway.proc.returncode or 1
             for c in self.replicas:
                 if not c.alive() and not self._stopping:
+                    now = time.monotonic()
+                    exits = [t for t in exits if t > now - window] + [now]
+                    if len(exits) > max_restarts:
+                        print(f"lmc: replicas exited {len(exits)} times in {window:.0f} s; stopping",
+                              file=sys.stderr, flush=True)
+                        return 1
                     c.restarts += 1
                     print(json.dumps({"event": "restart", "replica": c.name, "status": c.proc.returncode,
                                       "restarts": c.restarts}), flush=True)
