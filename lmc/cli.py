@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=_run_batch)
     sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native routes)",
                         description="Routes: /v1/completions, /v1/chat/completions, /v1/models, /generate, "
-                                    "/get_model_info, /get_server_info, /flush_cache, /health, /health_generate, "
+                                    "/get_model_info, /get_server_info, /get_load, /flush_cache, /health, "
+                                    "/health_generate, "
                                     "/tokenize, /metrics (with --enable-metrics).")
     sv.add_argument("--model", "--model-path", dest="model", default="smollm2-135m-instruct",
                     help="model name (see `lmc models`), HF directory or .gguf file")

@@ -17,7 +17,7 @@ pytest.importorskip("sglang_router", reason="the gateway is not installed (pip i
 
 from lmc.server.replicas import ReplicaError, gateway_command, plan_replicas  # noqa: E402
 
-from scale_support import LaunchedSet, alive  # noqa: E402
+from scale_support import LaunchedSet, alive, httpx  # noqa: E402
 
 GREEDY = {"temperature": 0}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a fox", "Water boils at",
@@ -108,6 +108,23 @@ def test_stop_leaves_no_process_behind(replicas):
 
 
 # ---- bad input (no processes started) --------------------------------------------------------------------------
+def test_gateway_fields_accepted_at_their_defaults_only(server):
+    """The fields the gateway adds to every forwarded request pass at the values it sends; asking for what lmc
+    does not do is a 400 naming the field."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        ok = c.post("/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 1,
+                                             "no_stop_trim": False, "return_hidden_states": False})
+        assert ok.status_code == 200, ok.text
+        ok = c.post("/generate", json={"text": "Hi", "model": None, "sampling_params": {"max_new_tokens": 1},
+                                       "background": False, "no_logs": False, "return_bytes": False,
+                                       "return_entropy": False, "return_hidden_states": False})
+        assert ok.status_code == 200, ok.text
+        bad = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "no_stop_trim": True})
+        assert bad.status_code == 400 and "no_stop_trim" in bad.json()["error"]["message"]
+        bad = c.post("/generate", json={"text": "Hi", "return_entropy": True})
+        assert bad.status_code == 400 and "return_entropy" in bad.json()["error"]["message"]
+
+
 def test_dp_zero_and_more_replicas_than_cores_are_refused(capsys):
     from lmc.cli import main
 
@@ -121,6 +138,8 @@ def test_dp_zero_and_more_replicas_than_cores_are_refused(capsys):
     plans = plan_replicas(2, cpus=[0, 1, 2, 3, 4], gpus=[])
     assert [p.cpus for p in plans] == [(0, 1, 2), (3, 4)] and [p.threads for p in plans] == [3, 2]
     assert [p.gpu for p in plan_replicas(2, cpus=[0, 1], gpus=[4, 5])] == [4, 5]
+    with pytest.raises(ReplicaError, match="power_of_two needs at least 2 replicas"):
+        gateway_command("127.0.0.1", 1, ["http://127.0.0.1:2"], "power_of_two", None, [])
 
 
 def test_missing_gateway_names_the_extra(monkeypatch, capsys):

@@ -110,6 +110,8 @@ def gateway_command(host: str, port: int, worker_urls: list[str], policy: str, a
                            f"{SCALE_EXTRA_HINT} ({e})") from None
     if policy not in POLICIES:
         raise ReplicaError(f"--router-policy must be one of {', '.join(POLICIES)} (got {policy!r})")
+    if policy == "power_of_two" and len(worker_urls) < 2:
+        raise ReplicaError("--router-policy power_of_two needs at least 2 replicas (--dp 2)")
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
            "--policy", policy, *GATEWAY_DEFAULTS, "--worker-urls", *worker_urls]
     if "--prometheus-port" not in extra:  # its default (29000) would collide with a second gateway on the host
@@ -244,6 +246,8 @@ class ReplicaSet:
         urls = dict(zip((c.name for c in self.replicas), self.replica_urls()))
         pending = list(children)
         while pending:
+            if self._stopping:
+                raise ReplicaError("stopped while the replicas were starting")
             for c in list(pending):
                 if not c.alive():
                     raise ReplicaError(f"{c.name} exited with status {c.proc.returncode} while starting "
@@ -260,6 +264,8 @@ class ReplicaSet:
         registered in the background, so also wait until it lists all of them."""
         deadline = time.monotonic() + 120
         while True:
+            if self._stopping:
+                raise ReplicaError("stopped while the gateway was starting")
             if not self.gateway.alive():
                 raise ReplicaError(f"the gateway exited with status {self.gateway.proc.returncode} while "
                                    f"starting (its log is above)")
