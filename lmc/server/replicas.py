@@ -3,7 +3,7 @@
     ReplicaSet(plan_replicas(2), worker_argv=["--model", "smollm2-135m-instruct"], port=30000).run()
 
 - Each replica is `lmc serve` on a loopback port of its own, pinned to its share of the cores
-  (`os.sched_setaffinity` before exec, and as many torch threads as cores), or to one GPU each
+  (`os.sched_setaffinity` before exec, and as many torch threads as cores), and to one GPU each
   (`CUDA_VISIBLE_DEVICES`) when the machine has at least N.
 - The gateway is the real one: `python -m sglang_router.launch_router --worker-urls ... --policy POLICY`,
   started once every replica answers /health, on the port the user asked for. Clients (`lmc.RuntimeEndpoint`,
@@ -162,10 +162,12 @@ def _child_setup(cpus: tuple[int, ...] | None):
 
 @dataclass
 class Child:
+    """One child process (a replica or a gateway), restartable with the same command line."""
     name: str
     argv: list[str]
     env: dict[str, str]
     cpus: tuple[int, ...] | None
+    url: str = ""
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -212,19 +214,21 @@ class ReplicaSet:
         return f"http://{self.host}:{self.port}"
 
     def replica_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{c.argv[c.argv.index('--port') + 1]}" for c in self.replicas]
+        return [c.url for c in self.replicas]
 
     # ---- starting ----------------------------------------------------------------------------------------
     def start(self) -> "ReplicaSet":
         out = self.log_file if self.log_file is not None else sys.stderr
+        if self.port == 0:
+            self.port = free_port(self.host)
         for p in self.plans:
-            env = {**os.environ, "OMP_NUM_THREADS": str(p.threads), "MKL_NUM_THREADS": str(p.threads),
-                   "LMC_REPLICA": str(p.index)}
+            env = {**os.environ, "OMP_NUM_THREADS": str(p.threads), "MKL_NUM_THREADS": str(p.threads)}
             if p.gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(p.gpu)
-            argv = [sys.executable, "-m", "lmc.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+            port = free_port()
+            argv = [sys.executable, "-m", "lmc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                     *self.worker_argv]
-            self.replicas.append(Child(f"replica {p.index}", argv, env, p.cpus if p.gpu is None else None))
+            self.replicas.append(Child(f"replica {p.index}", argv, env, p.cpus, f"http://127.0.0.1:{port}"))
         # before any child starts: a missing gateway or a bad policy fails now
         gw = gateway_command(self.host, self.port, self.replica_urls(), self.policy, self.api_key,
                              ["--log-level", {"warning": "warn"}.get(self.log_level, self.log_level),
@@ -232,7 +236,7 @@ class ReplicaSet:
         try:
             for c in self.replicas:
                 c.start(out)
-            self._wait_healthy(self.replicas)
+            self._wait_healthy()
             self.gateway = Child("gateway", gw, gateway_env(), None)
             self.gateway.start(out)
             self._wait_gateway()
@@ -241,10 +245,9 @@ class ReplicaSet:
             raise
         return self
 
-    def _wait_healthy(self, children: list[Child]) -> None:
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        urls = dict(zip((c.name for c in self.replicas), self.replica_urls()))
-        pending = list(children)
+        pending = list(self.replicas)
         while pending:
             if self._stopping:
                 raise ReplicaError("stopped while the replicas were starting")
@@ -252,7 +255,7 @@ class ReplicaSet:
                 if not c.alive():
                     raise ReplicaError(f"{c.name} exited with status {c.proc.returncode} while starting "
                                        f"(its log is above)")
-                if _get(urls[c.name] + "/health") == 200:
+                if _get(c.url + "/health") == 200:
                     pending.remove(c)
             if pending and time.monotonic() > deadline:
                 raise ReplicaError(f"{', '.join(c.name for c in pending)} did not answer /health within "
