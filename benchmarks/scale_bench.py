@@ -201,6 +201,9 @@ def main() -> None:
         log.close()
 
     summary = {s: summarize(v) for s, v in runs.items()}
+    # the best any routing can do: each group's prefix computed once, every other request finds it cached
+    total_prompt = runs["one"][0]["prompt_tokens"]
+    ideal_hit = (len(reqs) - args.groups) * prefix_tokens / total_prompt
     one = summary["one"]
     result = {
         "benchmark": "scale_bench", "model": MODEL, "runs": args.runs,
@@ -208,7 +211,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "workload": {"groups": args.groups, "per_group": args.per_group, "prefix_tokens": prefix_tokens,
                      "max_tokens": args.max_tokens, "concurrency": args.concurrency, "kv_pool_tokens": pool,
-                     "requests": len(reqs)},
+                     "requests": len(reqs), "ideal_hit_rate": ideal_hit},
         "summary": summary,
         "ratios_of_medians": {
             "cache_aware_vs_one_throughput": summary["cache_aware"]["requests_s"]["median"] /

@@ -79,6 +79,13 @@ class LaunchedSet:
                     return int(float(line.rsplit(" ", 1)[1]))
         raise AssertionError("lmc:num_requests_total missing from /metrics")
 
+    def replica_up(self, i: int) -> bool:
+        with self.replica(i) as c:
+            try:
+                return c.get("/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
     def healthy_workers(self) -> int:
         return sum(w["is_healthy"] for w in self.http.get("/workers").json()["workers"])
 
