@@ -26,6 +26,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -161,7 +162,8 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(resolve(MODEL).tokenizer_dir)
     prefix_tokens = len(tok.encode(system_prompt(0, args.prefix_words)))
-    log = open(os.path.join(os.path.dirname(args.out), "scale_bench.log"), "w")
+    log = tempfile.NamedTemporaryFile("w", prefix="scale_bench_", suffix=".log", delete=False)
+    print(f"replica and gateway logs: {log.name}", flush=True)
     pool = prefix_tokens * args.groups // 2 + args.concurrency * (40 + args.max_tokens)
     worker_argv = ["--model", MODEL, "--log-level", "warning", "--enable-metrics", "--max-total-tokens", str(pool)]
     rs = ReplicaSet(plans, worker_argv, port=free_port(), policy="cache_aware", log_file=log,
