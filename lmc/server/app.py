@@ -50,6 +50,7 @@ from .guard import Guard
 from .metrics import Metrics
 from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest, Limits, check_limits,
                        error_body, load_json, parse_body, validation_message)
+from .worker_api import add_worker_routes
 
 log = logging.getLogger(__name__)
 
@@ -725,6 +726,7 @@ def create_app(engine, api_key: str | None = None, *, served_model_name: str | N
         text = svc.metrics.render(svc.engine.stats(), slot_accounting(svc.engine), svc.engine.grammars.stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    add_worker_routes(app, svc)  # what a gateway calls beyond the serving API (worker_api.py)
     return app
 
 

@@ -3,7 +3,8 @@
 Names follow SGLang's collector with the `lmc:` prefix (ecosystem notes 3.6): gauges for the queue, running
 requests, KV token usage, cache hit rate and generation throughput; counters for tokens and requests; histograms
 for time to first token (streamed requests), inter-token latency and end-to-end latency; the compiled-grammar
-cache (entries, bytes, compilations, evictions, timeouts). Every series carries the `model_name` label.
+cache (entries, bytes, compilations, evictions, timeouts). Every series carries the `model_name` label. Some
+gauges are repeated under vLLM's and SGLang's names (GAUGE_ALIASES).
 """
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ from collections import deque
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+# The same gauges under the names other schedulers read: Kubernetes gateways (llm-d, the Gateway API inference
+# extension) score pods by vLLM's names, SGLang's tooling by `sglang:`. vLLM's `*_perc` gauges are fractions (0-1).
+GAUGE_ALIASES = {
+    "num_queue_reqs": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+    "num_running_reqs": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    "token_usage": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "sglang:token_usage"),
+    "num_used_tokens": ("sglang:num_used_tokens",),
+    "max_total_num_tokens": ("sglang:max_total_num_tokens",),
+    "cache_hit_rate": ("sglang:cache_hit_rate",),
+    "gen_throughput": ("sglang:gen_throughput",),
+}
 
 
 class Histogram:
@@ -132,6 +146,9 @@ class Metrics:
         lines = []
         for name, (help_, value) in gauges.items():
             lines += [f"# HELP lmc:{name} {help_}", f"# TYPE lmc:{name} gauge", f"lmc:{name}{{{labels}}} {value}"]
+            for alias in GAUGE_ALIASES.get(name, ()):
+                lines += [f"# HELP {alias} Alias of lmc:{name}.", f"# TYPE {alias} gauge",
+                          f"{alias}{{{labels}}} {value}"]
         for name, (help_, value) in grammar_counters.items():
             lines += [f"# HELP lmc:{name} {help_}", f"# TYPE lmc:{name} counter", f"lmc:{name}{{{labels}}} {value}"]
         with self._lock:

@@ -311,6 +311,9 @@ class ChatCompletionRequest(_SamplingFields):
     store: Optional[bool] = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # sent by SGLang's gateway; no-ops without a reasoning parser (as in SGLang without --reasoning-parser)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class GenerateRequest(_SGLangFields):
@@ -334,7 +337,7 @@ class GenerateRequest(_SGLangFields):
         "return_bytes": (False, _NOT_HERE), "return_entropy": (False, _NOT_HERE)}
     INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({
         "modalities", "log_metrics", "routing_key", "conversation_id", "custom_labels", "no_logs",
-        "external_trace_header", "received_time"})
+        "external_trace_header", "received_time", "model"})
 
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
