@@ -7,8 +7,8 @@ Configurations (all in one process, alternated within every repetition):
 The batched sampler serves all three (it replaced the per-request loops; greedy decoding is an argmax either way).
 
 Measures:
-- decode tok/s at batch 1 and 16 (64-token random prompts, ignore_eos): per-step time is
-  (t(new + 1 tokens) - t(1 token)) / new, so prefill cancels out;
+- decode tok/s at batch 1 and 16 (64-token random prompts, ignore_eos): batch / the median decode step
+  (runner time: forward + sampling) of a run;
 - no_sharing: 48 unrelated 200-token prompts, 16 generated each, wall time and tok/s of output;
 - start: seconds from a fresh `python` process to an Engine ready to serve, per configuration (see measure_starts).
 Each figure is the median of --reps repetitions with min and max. JSON: benchmarks/results/cpu_speed.json.
@@ -46,15 +46,28 @@ def spread(xs: list[float]) -> dict:
 
 
 def decode_step_s(eng: Engine, batch: int, new: int, seed: int) -> float:
+    """Median over the decode steps of one generate call of the runner's time per step (forward + sampling;
+    the scheduler's bookkeeping around it is not counted). A median of steps, not a difference of two wall
+    times, because other processes on this machine stall single steps for seconds."""
     prompts = torch.randint(100, 40000, (batch, 64), generator=torch.Generator().manual_seed(seed)).tolist()
+    runner, steps = eng.runner, []
 
-    def run(n: int) -> float:
-        eng.flush_cache()
+    def timed(sb):
         t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-        return time.perf_counter() - t0
+        out = run(sb)
+        if sb.is_decode:
+            steps.append(time.perf_counter() - t0)
+        return out
 
-    return (run(new + 1) - run(1)) / new
+    run = runner.run
+    runner.run = timed  # the scheduler calls runner.run: an instance attribute wraps it for this call only
+    try:
+        eng.flush_cache()
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": new + 1, "temperature": 0,
+                                                         "ignore_eos": True})
+    finally:
+        del runner.run
+    return statistics.median(steps)
 
 
 def no_sharing_s(eng: Engine, seed: int, n: int = 48, prompt_len: int = 200, new: int = 16) -> float:
