@@ -10,7 +10,9 @@ import torch
 from . import ForwardBatch
 from .torch_backend import TorchAttention
 
-KERNEL_MAX_EXTEND = 64  # longest extend run by the kernel (measured: benchmarks/cpu_speed.py, prefill cases)
+# Longest extend run by the kernel. Not tuned yet: short extends (decode, jump-forward, small chunks) stay on the
+# kernel, prompts go to SDPA.
+KERNEL_MAX_EXTEND = 64
 
 
 @dataclass
