@@ -206,7 +206,6 @@ class Req:
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     output_token_ids_logprobs: list = field(default_factory=list)
-    generator: Any = None  # per-request torch.Generator when a seed is given
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
     # Jump-forward (scheduler.py): tokens placed without sampling, tokens they replaced when the output was

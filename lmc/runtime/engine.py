@@ -60,7 +60,7 @@ class Engine:
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
-                 max_top_logprobs: int = 20, start: bool = True):
+                 max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
@@ -68,6 +68,8 @@ class Engine:
         drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained
         requests only; see scheduler.py). Off, every token is sampled: the comparison baseline.
+        `enable_torch_compile`: compile the model forward with torch.compile at start-up, cached on disk under
+        the lmc cache dir (runtime/compiled.py); eager, with a warning, where compilation fails.
         `check_invariants`: check slot accounting after every step, and that every jump leaves the output ids
         the tokenizer's canonical encoding of the output text (tests)."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -87,7 +89,8 @@ class Engine:
         self.runner = ModelRunner(
             hf, weights or src.weights, device=dev, dtype=dt, attention=attention_backend,
             max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
-            seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs)
+            seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs,
+            enable_torch_compile=enable_torch_compile)
         self.context_length = ctx
         self.device = dev
         self.vocab_size = self.runner.cfg.vocab_size
@@ -146,8 +149,6 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
         req = Req(ids, params)
         req.grammar = self.grammars.matcher(params)  # compiles here, off the scheduler thread (cached per grammar)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
 
     def submit(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> RequestFuture:

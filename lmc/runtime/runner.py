@@ -35,10 +35,20 @@ class StepOutput:
     in_logprobs: list = field(default_factory=list)
 
 
+def _tokens(r: Req, lo: int, hi: int) -> list[int]:
+    """r.fill_ids[lo:hi] without building fill_ids (a decode step would copy the whole sequence per request)."""
+    n = len(r.input_ids)
+    if lo >= n:
+        return r.output_ids[lo - n:hi - n]
+    return r.input_ids[lo:hi] + r.output_ids[:max(0, hi - n)]
+
+
 class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
-                 mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256):
+                 mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False):
+        """`enable_torch_compile`: run forwards that are not CUDA-graph replays through torch.compile (compiled.py),
+        compiling at construction (a warm-up forward per shape class) so no request waits for it."""
         from .model.loader import fill_dummy
 
         self.cfg = ModelConfig.from_hf(hf_config)
@@ -66,11 +76,36 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(max_running + 2, context_length, device)
         self.dummy_row = self.req_pool.alloc()
         self.allocator = SlotAllocator(max_total_tokens)
+        self.step_model = model
+        if enable_torch_compile:
+            from .compiled import CompiledForward
+
+            self.step_model = CompiledForward(model)
+            self._warm_up()
         self.graphs = None
         if cuda_graph_max_bs and device.type == "cuda" and getattr(self.attn, "graph_safe", False):
             from .cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Forwards over the dummy row (slot 0 only) in each shape class a step can take: decode of one and of
+        several requests, and a prefill; each compiles (or loads from the disk cache) here, not in a request."""
+        def t(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        for decode, n in ((True, 2), (True, 1), (False, 8)):
+            ext = [1] * n if decode else [n]  # n requests of one token, or one request of n tokens
+            b = len(ext)
+            batch = ForwardBatch(
+                is_decode=decode, rows=t([self.dummy_row] * b), prefix_lens=t([0] * b), extend_lens=t(ext),
+                seq_lens=t(ext), extend_start=t(list(range(b)) if decode else [0]), max_extend_len=max(ext),
+                max_seq_len=max(ext), positions=t([0] * n if decode else list(range(n))), out_slots=t([0] * n),
+                logits_index=t(list(range(b)) if decode else [n - 1]), kv_cache=self.kv,
+                req_to_token=self.req_pool.table, attn=self.attn)
+            self.attn.prepare(batch)
+            self.step_model(t([0] * n), batch)
 
     def reset_memory(self) -> None:
         """Mark every row and slot free (KV contents are simply overwritten later)."""
@@ -96,7 +131,7 @@ class ModelRunner:
         for r, pre, ext, smp in zip(reqs, sb.prefix_lens, sb.extend_lens, sb.sample):
             start = len(ids)
             starts.append(start)
-            ids.extend(r.fill_ids[pre:pre + ext])
+            ids.extend(_tokens(r, pre, pre + ext))
             positions.extend(range(pre, pre + ext))
             # Position p predicts token p + 1; prompt logprobs cover tokens logprob_start .. len(input) - 1.
             lo, hi = max(pre, r.logprob_start - 1), min(pre + ext, len(r.input_ids) - 1)
@@ -120,48 +155,60 @@ class ModelRunner:
             out_slots=sb.out_slots.to(**to), logits_index=torch.tensor(logit_pos, dtype=torch.long).to(**to),
             kv_cache=self.kv, req_to_token=self.req_pool.table, attn=self.attn)
         self.attn.prepare(batch)
-        return self.model(torch.tensor(ids).to(**to), batch), prompt_rows
+        return self.step_model(torch.tensor(ids).to(**to), batch), prompt_rows
 
     @torch.inference_mode()
     def _postprocess(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]]) -> StepOutput:
-        out = StepOutput()
-        sample_rows = [i for i, s in enumerate(sb.sample) if s]
-        n_prompt = sum(len(rows) for rows in prompt_rows)
+        reqs, n = sb.reqs, len(sb.reqs)
         # logits rows are ordered request by request: its prompt rows, then its sampling row.
-        sample_at, k = [], 0
+        sample_at: list[int | None] = []
+        k = 0
         for rows, smp in zip(prompt_rows, sb.sample):
             k += len(rows)
-            if smp:
-                sample_at.append(k)
-                k += 1
-        need_lp = any(r.params.return_logprob for r in sb.reqs)
-        logprobs = torch.log_softmax(logits, dim=-1) if need_lp and (n_prompt or sample_rows) else None
-        next_ids: dict[int, int] = {}
-        if sample_rows:
-            # advanced indexing copies, so the grammar mask and the penalties applied in place leave `logprobs` raw
-            rows_logits, rows_reqs = logits[sample_at], [sb.reqs[i] for i in sample_rows]
+            sample_at.append(k if smp else None)
+            k += smp
+        samplers = [i for i in range(n) if sample_at[i] is not None]
+        next_ids: list[int | None] = [None] * n
+        if samplers:
+            # advanced indexing copies, so the grammar mask and the penalties applied in place leave `logits` raw
+            rows_logits, rows_reqs = logits[[sample_at[i] for i in samplers]], [reqs[i] for i in samplers]
             apply_grammar_masks(rows_logits, rows_reqs, self.cfg.vocab_size)
-            picked = sample(rows_logits, rows_reqs, self.cfg.eos_token_ids)
-            next_ids = dict(zip(sample_rows, picked.tolist()))
-            if logprobs is not None:
-                top_n = max(sb.reqs[i].params.top_logprobs_num for i in sample_rows)
-                chosen, tops = token_logprobs(logprobs[sample_at], picked, top_n)
-        for i, r in enumerate(sb.reqs):
-            out.next_ids.append(next_ids.get(i))
-            lp = None
-            if i in next_ids and r.params.return_logprob:
-                j = sample_rows.index(i)
-                ids = r.params.token_ids_logprob
-                by_id = None if ids is None else list(zip(logprobs[sample_at[j], ids].tolist(), ids))
-                lp = (chosen[j], tops[j][:r.params.top_logprobs_num], by_id)
-            out.out_logprobs.append(lp)
-            rows = prompt_rows[i]
-            if rows and r.params.return_logprob:
-                pre = sb.prefix_lens[i]
-                first = max(pre, r.logprob_start - 1)
-                targets = torch.tensor(r.input_ids[first + 1:first + 1 + len(rows)], device=logits.device)
-                ch, tp = token_logprobs(logprobs[rows], targets, r.params.top_logprobs_num)
-                out.in_logprobs.append(list(zip(range(first + 1, first + 1 + len(rows)), ch, tp)))
-            else:
-                out.in_logprobs.append([])
+            for i, t in zip(samplers, sample(rows_logits, rows_reqs, self.cfg.eos_token_ids).tolist()):
+                next_ids[i] = t
+        out = StepOutput(next_ids, [None] * n, [[] for _ in range(n)])
+        want = [i for i in range(n) if reqs[i].params.return_logprob]
+        if want:
+            self._logprobs(sb, logits, prompt_rows, sample_at, next_ids, want, out)
         return out
+
+    def _logprobs(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]],
+                  sample_at: list[int | None], next_ids: list[int | None], want: list[int], out: StepOutput) -> None:
+        """Logprobs of the prompt and sampled tokens of the requests in `want` (the ones that asked): one
+        log-softmax, one gather and one top-k over just their rows."""
+        rows, targets, spans = [], [], []  # spans: per wanted request, (first prompt position, #prompt, sampled?)
+        for i in want:
+            r, p_rows = sb.reqs[i], prompt_rows[i]
+            first = max(sb.prefix_lens[i], r.logprob_start - 1)
+            rows += p_rows
+            targets += r.input_ids[first + 1:first + 1 + len(p_rows)]
+            if sample_at[i] is not None:
+                rows.append(sample_at[i])
+                targets.append(next_ids[i])
+            spans.append((first, len(p_rows), sample_at[i] is not None))
+        if not rows:
+            return
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        top_n = max(sb.reqs[i].params.top_logprobs_num for i in want)
+        chosen, tops = token_logprobs(logprobs, torch.tensor(targets, device=logits.device), top_n)
+        j = 0
+        for i, (first, n_prompt, sampled) in zip(want, spans):
+            r = sb.reqs[i]
+            n_top = r.params.top_logprobs_num
+            if n_prompt:
+                out.in_logprobs[i] = [(first + 1 + m, chosen[j + m], tops[j + m][:n_top]) for m in range(n_prompt)]
+            j += n_prompt
+            if sampled:
+                ids = r.params.token_ids_logprob
+                by_id = None if ids is None else list(zip(logprobs[j, ids].tolist(), ids))
+                out.out_logprobs[i] = (chosen[j], tops[j][:n_top], by_id)
+                j += 1

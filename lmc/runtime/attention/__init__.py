@@ -35,8 +35,17 @@ class ForwardBatch:
 
 
 def make_backend(name: str, device: torch.device):
+    """`auto`: Triton on the GPU; on the CPU the paged C++ kernel, or the torch reference where it cannot be built."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from .cpu_backend import CpuAttention
+        from .cpu_kernel import load
+
+        op = load()  # None (and a warning) without a working C++ toolchain
+        if op is not None:
+            return CpuAttention(op)
+        name = "torch"
     if name == "torch":
         from .torch_backend import TorchAttention
 
@@ -45,4 +54,4 @@ def make_backend(name: str, device: torch.device):
         from .triton_backend import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'triton' or 'auto'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'cpu', 'torch', 'triton' or 'auto'")

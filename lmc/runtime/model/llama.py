@@ -76,6 +76,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@torch.compiler.disable
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx) -> torch.Tensor:
+    """Write the new tokens' K/V into the slot-indexed pool, then attend. Outside any torch.compile graph: the
+    in-place writes into the pool would be functionalized into copies of whole buffers, and the backends'
+    kernels are fused already."""
+    ctx.kv_cache.write(layer_id, ctx.out_slots, k, v)
+    return ctx.attn.forward(q, layer_id, ctx)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -90,8 +99,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(-1, self.nq, self.hd), ctx.cos, ctx.sin)
         k = apply_rope(k.view(-1, self.nkv, self.hd), ctx.cos, ctx.sin)
         v = v.view(-1, self.nkv, self.hd)
-        ctx.kv_cache.write(self.layer_id, ctx.out_slots, k, v)
-        o = ctx.attn.forward(q, self.layer_id, ctx)
+        o = attend(q, k, v, self.layer_id, ctx)
         return self.o_proj(o.reshape(-1, self.nq * self.hd))
 
 

@@ -1,0 +1,195 @@
+"""CPU runtime speed of the embedded SmolLM2-135M-Instruct (fp32), before against after the CPU-path work of issue 13.
+
+Configurations (all in one process, alternated within every repetition):
+- before:   eager forward, the gather + SDPA attention (`attention_backend="torch"`): the path as it was.
+- kernel:   eager forward, the paged C++ attention kernel (`attention_backend="cpu"`, the CPU default).
+- compiled: the kernel plus the torch.compile'd forward (`enable_torch_compile=True`).
+The batched sampler serves all three (it replaced the per-request loops; greedy decoding is an argmax either way).
+
+Measures:
+- decode tok/s at batch 1 and 16 (64-token random prompts, ignore_eos): batch / the median decode step
+  (runner time: forward + sampling) of a run;
+- no_sharing: 48 unrelated 200-token prompts, 16 generated each, wall time and tok/s of output;
+- start: seconds from a fresh `python` process to an Engine ready to serve, per configuration (see measure_starts).
+Each figure is the median of --reps repetitions with min and max. JSON: benchmarks/results/cpu_speed.json.
+
+    python benchmarks/cpu_speed.py [--reps 3] [--configs before kernel compiled] [--skip-start | --only-start]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from lmc.runtime import Engine  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+CONFIGS = {
+    "before": {"attention_backend": "torch"},
+    "kernel": {"attention_backend": "cpu"},
+    "compiled": {"attention_backend": "cpu", "enable_torch_compile": True},
+}
+OUT = os.path.join(os.path.dirname(__file__), "results", "cpu_speed.json")
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+def decode_step_s(eng: Engine, batch: int, new: int, seed: int) -> float:
+    """Median over the decode steps of one generate call of the runner's time per step (forward + sampling;
+    the scheduler's bookkeeping around it is not counted). A median of steps, not a difference of two wall
+    times, because other processes on this machine stall single steps for seconds."""
+    prompts = torch.randint(100, 40000, (batch, 64), generator=torch.Generator().manual_seed(seed)).tolist()
+    runner, steps = eng.runner, []
+
+    def timed(sb):
+        t0 = time.perf_counter()
+        out = run(sb)
+        if sb.is_decode:
+            steps.append(time.perf_counter() - t0)
+        return out
+
+    run = runner.run
+    runner.run = timed  # the scheduler calls runner.run: an instance attribute wraps it for this call only
+    try:
+        eng.flush_cache()
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": new + 1, "temperature": 0,
+                                                         "ignore_eos": True})
+    finally:
+        del runner.run
+    return statistics.median(steps)
+
+
+def no_sharing_s(eng: Engine, seed: int, n: int = 48, prompt_len: int = 200, new: int = 16) -> float:
+    prompts = torch.randint(100, 40000, (n, prompt_len), generator=torch.Generator().manual_seed(seed)).tolist()
+    eng.flush_cache()
+    t0 = time.perf_counter()
+    out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": new, "temperature": 0,
+                                                           "ignore_eos": True})
+    assert all(len(r["output_ids"]) == new for r in out)
+    return time.perf_counter() - t0
+
+
+_START = """
+import sys, time
+t0 = time.perf_counter()
+sys.path.insert(0, {root!r})
+from lmc.runtime import Engine
+eng = Engine({model!r}, **{kwargs!r})
+print("READY", time.perf_counter() - t0, flush=True)
+eng.shutdown()
+"""
+
+
+def start_s(kwargs: dict, env: dict) -> float:
+    """Wall seconds from launching a fresh interpreter to the engine being ready (imports, weights, builds)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    code = _START.format(root=root, model=MODEL, kwargs=kwargs)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True)
+    assert "READY" in out.stdout, out.stderr[-2000:]
+    return time.perf_counter() - t0
+
+
+def measure_starts(configs: list[str], reps: int) -> dict:
+    """Per configuration: `warm` (caches filled, `reps` runs, alternated across configurations) and, where the
+    configuration builds something, `first` once (each takes minutes on this machine): `kernel` with an empty
+    kernel-build dir (the C++ attention build), `compiled` with an empty inductor cache but the kernel built
+    (the torch.compile cost alone)."""
+    res: dict = {name: {} for name in configs}
+    with tempfile.TemporaryDirectory() as ext, tempfile.TemporaryDirectory() as ind:
+        env = {"TORCH_EXTENSIONS_DIR": ext, "TORCHINDUCTOR_CACHE_DIR": ind}
+        for name in ("kernel", "compiled"):
+            if name in configs:
+                res[name]["first"] = start_s(CONFIGS[name], env)
+                print(f"first start {name}: {res[name]['first']:.1f} s", flush=True)
+        warm: dict = {name: [] for name in configs}
+        for rep in range(reps):
+            for name in configs if rep % 2 == 0 else list(reversed(configs)):
+                warm[name].append(start_s(CONFIGS[name], env))
+                print(f"warm start {name}: {warm[name][-1]:.1f} s", flush=True)
+    for name in configs:
+        res[name]["warm"] = spread(warm[name])
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--decode-new", type=int, default=32)
+    ap.add_argument("--no-sharing-reps", type=int, default=None, help="default: --reps")
+    ap.add_argument("--no-sharing-configs", nargs="*", default=None, help="default: --configs")
+    ap.add_argument("--skip-start", action="store_true")
+    ap.add_argument("--only-start", action="store_true", help="measure start times into an existing JSON")
+    ap.add_argument("--start-reps", type=int, default=None, help="default: --reps")
+    ap.add_argument("--out", default=OUT)
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.only_start:
+        out = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        load = os.getloadavg()
+        out["start_s"] = measure_starts(args.configs, args.start_reps or args.reps)
+        out["start_load_average_before_after"] = [load, os.getloadavg()]
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps(out["start_s"], indent=1))
+        return
+    load_before = os.getloadavg()
+    engines = {name: Engine(MODEL, **CONFIGS[name]) for name in args.configs}
+    for eng in engines.values():  # warm-up: first-touch of KV pages, allocator, compiled shapes
+        decode_step_s(eng, 16, 2, seed=99)
+    runs: dict = {name: {"decode_b1_tok_s": [], "decode_b16_tok_s": [], "no_sharing_s": []} for name in engines}
+    for rep in range(args.reps):
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # alternate who goes first
+        for name in order:
+            eng, r = engines[name], runs[name]
+            r["decode_b1_tok_s"].append(1 / decode_step_s(eng, 1, args.decode_new, seed=rep))
+            r["decode_b16_tok_s"].append(16 / decode_step_s(eng, 16, args.decode_new, seed=rep))
+            if rep < (args.no_sharing_reps if args.no_sharing_reps is not None else args.reps) and \
+                    name in (args.no_sharing_configs if args.no_sharing_configs is not None else engines):
+                r["no_sharing_s"].append(no_sharing_s(eng, seed=rep))
+            print(f"rep {rep} {name}: " + ", ".join(f"{k}={v[-1]:.2f}" for k, v in r.items() if v), flush=True)
+    for eng in engines.values():
+        eng.shutdown()
+    results = {name: {k: spread(v) for k, v in r.items() if v} for name, r in runs.items()}
+    for r in results.values():
+        if "no_sharing_s" in r:
+            r["no_sharing_out_tok_s"] = {k: 48 * 16 / v for k, v in r["no_sharing_s"].items() if k != "runs"}
+    out = {
+        "model": MODEL, "dtype": "float32", "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "reps": args.reps, "configs": {k: CONFIGS[k] for k in args.configs},
+        "results": results,
+        "note": ("Shared machine: 2 cores used concurrently by other engineers' tests and benchmarks; the load "
+                 "average is recorded before and after. Configurations alternate within each repetition, so load "
+                 "changes hit all of them; absolute numbers are slower than on an idle machine."),
+        "load_average_before_after": [load_before],
+    }
+    if os.path.exists(args.out):  # start times measured by an earlier --only-start run are kept
+        prev = json.load(open(args.out))
+        out.update({k: prev[k] for k in ("start_s", "start_load_average_before_after") if k in prev})
+    if not args.skip_start:
+        out["start_s"] = measure_starts(args.configs, args.start_reps or args.reps)
+    out["load_average_before_after"].append(os.getloadavg())
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"\n{'config':10s} {'b1 tok/s':>16s} {'b16 tok/s':>18s} {'no-sharing s':>18s}")
+    for name, r in results.items():
+        cells = [r[k] for k in ("decode_b1_tok_s", "decode_b16_tok_s", "no_sharing_s") if k in r]
+        print(f"{name:10s} " + " ".join(f"{c['median']:7.1f} ({c['min']:.1f}-{c['max']:.1f})" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
