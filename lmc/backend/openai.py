@@ -336,6 +336,13 @@ class OpenAI:
         if r.status_code in (401, 403):
             raise ValueError(f"{self.base_url}: the server refused the API key (HTTP {r.status_code}); pass "
                              "api_key=... or set OPENAI_API_KEY")
+        try:  # vLLM names itself as the owner of its models
+            models = httpx.get(self.base_url + "/models", timeout=10,
+                               headers={"Authorization": f"Bearer {self.api_key}"}).json().get("data") or []
+            if any(m.get("owned_by") == "vllm" for m in models):
+                return "vllm"
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
         return "compatible"
 
     def _client(self):
@@ -458,6 +465,11 @@ class OpenAI:
         constraint = {k: p[k] for k in ("regex", "json_schema", "ebnf") if p.get(k) is not None}
         if constraint and self._lowering(params, kind) == "json_schema":
             response_format, unwrap = self._lower_constraint(params, constraint, kind)
+        elif constraint and self.server == "vllm":
+            # vLLM takes constraints in `structured_outputs` and ignores unknown top-level fields (a bare `regex`
+            # would decode unconstrained without a word)
+            extras["structured_outputs"] = {{"json_schema": "json", "ebnf": "grammar"}.get(k, k): v
+                                            for k, v in constraint.items()}
         else:
             extras.update(constraint)  # decoded by the server
         if self.server == "openai":
@@ -794,13 +806,13 @@ class OpenAI:
                       output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=uncond)
 
     async def _tokenize(self, prompt, add_special_tokens: bool = True):
-        """lmc's /tokenize (no engine work, not billed), or None where the server has none."""
-        if self.server != "lmc":
+        """The server's /tokenize (lmc's and vLLM's: no engine work, not billed), or None where it has none."""
+        if self.server not in ("lmc", "vllm"):
             return None
         from .endpoint import _httpx
 
         async with _httpx().AsyncClient(timeout=self.timeout) as c:
-            r = await c.post(self.root_url + "/tokenize", json={"prompt": prompt,
+            r = await c.post(self.root_url + "/tokenize", json={"model": self.model, "prompt": prompt,
                                                                 "add_special_tokens": add_special_tokens},
                              headers={"Authorization": f"Bearer {self.api_key}"})
         return r.json() if r.status_code == 200 else None
@@ -809,8 +821,8 @@ class OpenAI:
         tok = await self._tokenize(text)
         if tok is not None:
             return int(tok["count"])
-        pre = await self._create("completions", {"model": self.model, "prompt": text, "max_tokens": 0,
-                                                 "temperature": 0})
+        pre = await self._create("completions", {"model": self.model, "prompt": text, "max_tokens": 1,
+                                                 "temperature": 0})  # vLLM refuses max_tokens 0 without echo
         return int(pre["usage"]["prompt_tokens"])
 
     async def _choice_prompts(self, choices: list[str]):

@@ -49,6 +49,9 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
     retract_reserve_steps: int = 20
+    # Ablation knob (benchmarks only, the paper's Figure 8): the share of requests, drawn by the scheduler's seeded
+    # RNG when they arrive, whose cached prefix is ignored, so the hit rate drops while everything else is unchanged.
+    match_drop_rate: float = 0.0
 
 
 class Scheduler:
@@ -79,6 +82,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
+        self._no_match: set[Req] = set()  # requests whose cached prefix is ignored (match_drop_rate)
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
     # ---- front ---------------------------------------------------------------------------------------------
@@ -86,6 +90,8 @@ class Scheduler:
         if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
             self._early.append(req)  # the grammar forced the whole output: no forward needed
             return
+        if self.cfg.match_drop_rate and self._rng.random() < self.cfg.match_drop_rate:
+            self._no_match.add(req)
         self.waiting.append(req)
 
     @property
@@ -226,6 +232,8 @@ class Scheduler:
         limit = len(r.fill_ids) - 1
         if r.computed_tokens == 0 and r.params.return_logprob:
             limit = min(limit, max(r.logprob_start - 1, 0))
+        if r in self._no_match and r.computed_tokens == 0:
+            limit = 0  # ablation: compute the whole prompt (the empty key matches the root)
         r.prefix_slots, r.match_node = self.cache.match(r.fill_ids[:limit])
         r.match_version = self.cache.version
 
@@ -509,6 +517,7 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finished, r.finish_reason = True, reason
+        self._no_match.discard(r)
         if r in self.running:
             self.running.remove(r)
         self._release(r)
