@@ -43,3 +43,14 @@ def test_old_conversion_is_completed_in_place(tmp_path, monkeypatch):
     assert Path(resolve(MODEL).tokenizer_dir) == old
     _assert_complete(old)
     assert json.loads((old / "lmc_source.json").read_text())["gguf"] == "x.gguf"
+
+
+def test_dummy_shape_with_a_borrowed_tokenizer():
+    """dummy:<shape>@<model>: the shape's layers with the model's tokenizer, vocabulary and bos/eos ids (what the
+    suite runs on a GPU: dummy:llama-2-7b@smollm2-135m-instruct)."""
+    src = resolve(f"dummy:llama-2-7b@{MODEL}")
+    assert src.weights is None and src.tokenizer_dir == resolve(MODEL).tokenizer_dir
+    cfg = src.hf_config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (4096, 32, 49152)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert resolve(f"dummy:tiny@{src.tokenizer_dir}").hf_config.vocab_size == 49152  # a tokenizer directory too

