@@ -93,6 +93,12 @@ def render(results: dict, results_dir) -> str:
            f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores, model "
            f"`{meta.get('model', '?')}`. Every figure is the median of the runs, with the min-max spread in "
            "parentheses.", ""]
+    if meta.get("partial") or (meta.get("runs_asked") and meta.get("runs") != meta.get("runs_asked")):
+        out += [f"**Partial recording: {meta.get('runs')} of {meta.get('runs_asked')} runs finished**; with one run "
+                "there is no spread, and these figures are not yet medians.", ""]
+    if meta.get("quick"):
+        out += ["Batch sizes: `--quick` (one or two programs per workload, short outputs), the sizes this shared "
+                "machine could run for every system.", ""]
     if meta.get("note"):
         out += [f"Machine: {meta['note']}. Load average before the run: {meta.get('load_average_before')}; after "
                 f"each run: {meta.get('load_average_after_each_run')}.", ""]

