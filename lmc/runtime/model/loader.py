@@ -38,6 +38,11 @@ DUMMY_SHAPES = {
 }
 
 
+# Version of the converted-directory layout (lmc_source.json "format"); a directory written by an older lmc is
+# completed in place on load. 2: config.json names its architecture and generation_config.json exists.
+CONVERTED_FORMAT = 2
+
+
 class UnknownModelError(ValueError):
     pass
 
@@ -61,13 +66,23 @@ class ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
+    """`dummy:<shape>` has no tokenizer (token ids only); `dummy:<shape>@<tokenizer>` takes the tokenizer, and with
+    it the vocabulary size and bos/eos ids, from a known model name or a directory with tokenizer files, so text
+    programs run on a benchmark-sized model (e.g. dummy:llama-2-7b@smollm2-135m-instruct)."""
     if model.startswith("dummy:"):
-        shape = model.split(":", 1)[1]
+        shape, _, tok_from = model.split(":", 1)[1].partition("@")
         if shape not in DUMMY_SHAPES:
             raise UnknownModelError(f"unknown dummy shape {shape!r}; known shapes: {sorted(DUMMY_SHAPES)}")
         from transformers import LlamaConfig
 
-        return ModelSource(model, LlamaConfig(**DUMMY_SHAPES[shape]), None, None)
+        config, tok_dir = dict(DUMMY_SHAPES[shape]), None
+        if tok_from:
+            tok_dir = _tokenizer_dir(tok_from)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tok_dir)
+            config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        return ModelSource(model, LlamaConfig(**config), None, tok_dir)
     if model in EMBEDDED:
         return _from_dir(model, _embedded_dir(model))
     path = Path(model).expanduser()
@@ -80,6 +95,16 @@ def resolve(model: str) -> ModelSource:
     raise UnknownModelError(
         f"unknown model {model!r}: not a known name, a Hugging Face model directory (with config.json) or a "
         f".gguf file. Known names: {', '.join(known_models())}")
+
+
+def _tokenizer_dir(spec: str) -> str:
+    path = Path(spec).expanduser()
+    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return str(path)
+    src = resolve(spec)
+    if src.tokenizer_dir is None:
+        raise UnknownModelError(f"{spec!r} has no tokenizer to lend a dummy model")
+    return src.tokenizer_dir
 
 
 def _from_dir(name: str, path: Path) -> ModelSource:
@@ -128,6 +153,8 @@ def _converted_gguf(gguf: Path, key: str) -> Path:
     concurrent first loads never see a half-written directory."""
     out = cache_dir() / "models" / key
     if (out / "config.json").exists() and glob.glob(str(out / "*.safetensors")):
+        if _source_format(out) < CONVERTED_FORMAT:
+            _complete_hf_dir(out)  # converted by an older lmc: patch in place, no second dequantization
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,6 +174,7 @@ def _converted_gguf(gguf: Path, key: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tok.save_pretrained(tmp)
         (tmp / "lmc_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        _complete_hf_dir(tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process won the race
@@ -155,6 +183,42 @@ def _converted_gguf(gguf: Path, key: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _source_format(out: Path) -> int:
+    try:
+        return int(json.loads((out / "lmc_source.json").read_text()).get("format", 1))
+    except (OSError, ValueError, AttributeError):
+        return 1
+
+
+def _complete_hf_dir(out: Path) -> None:
+    """Make a converted directory a complete Hugging Face model directory that other engines (vLLM,
+    transformers' pipelines) load as they are: config.json names its architecture (a GGUF-loaded config has
+    `"architectures": null`) and generation_config.json exists. Each file is replaced atomically, the format
+    marker in lmc_source.json last, so an interrupted repair is redone on the next load."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((out / "config.json").read_text())
+    if not config.get("architectures"):
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+        if arch is None:
+            raise UnknownModelError(f"{out}: no causal-LM architecture known for model_type "
+                                    f"{config.get('model_type')!r}")
+        config["architectures"] = [arch]
+        _write_atomic(out / "config.json", json.dumps(config, indent=2))
+    if not (out / "generation_config.json").exists():
+        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(out))
+        _write_atomic(out / "generation_config.json", gen.to_json_string())
+    source = json.loads((out / "lmc_source.json").read_text()) if (out / "lmc_source.json").exists() else {}
+    _write_atomic(out / "lmc_source.json", json.dumps({**source, "format": CONVERTED_FORMAT}))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 @torch.no_grad()

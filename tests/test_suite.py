@@ -1,0 +1,58 @@
+"""The workload suite (benchmarks/suite): the optimum of Theorem 3.1 on hand-counted request sets; one workload
+through `run.py --quick` end to end (JSON shape, hit rate never above its optimum, the report section and the
+pictures); every workload's programs build from the shipped data."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "suite"
+sys.path.insert(0, str(SUITE))
+
+from optimal import Request, optimum  # noqa: E402
+
+
+def test_optimum_counts_each_distinct_prefix_once():
+    # [1,2,3,4] then [1,2,3,5]: 4 + 1 new tokens, and the second's last token (its logits) is new anyway
+    assert optimum([Request([1, 2, 3, 4]), Request([1, 2, 3, 5])]).min_computed == 5
+    # a prompt entirely cached still computes its last token
+    assert optimum([Request([1, 2, 3]), Request([1, 2, 3])]).min_computed == 4
+    # prompt logprobs from position 1: positions 1..3 are recomputed although cached
+    assert optimum([Request([1, 2, 3, 4]), Request([1, 2, 3, 4], logits_from=1)]).min_computed == 7
+
+
+def test_optimum_credits_generated_tokens():
+    """Turn 2 of a chat extends turn 1's prompt and output: the output (all but its last token) is cached."""
+    opt = optimum([Request([1, 2], output=[7, 8, 9]), Request([1, 2, 7, 8, 9, 4])])
+    assert opt.prompt_tokens == 8
+    assert opt.min_computed == 2 + 2  # turn 1's prompt; turn 2: token 9 (never forwarded) and 4
+    assert opt.hit_rate == pytest.approx(0.5)
+
+
+def test_every_workload_builds_from_the_shipped_data():
+    from workloads import BUILDERS, build
+
+    for name in BUILDERS:
+        w = build(name, quick=True)
+        assert w.calls and w.sharing and 1 <= w.latency_calls <= len(w.calls), name
+    assert sum(f.stat().st_size for f in (SUITE / "data").glob("*.json")) < 400_000
+
+
+def test_quick_run_of_one_workload(tmp_path):
+    import run
+    from report import render
+
+    path = tmp_path / "suite.json"
+    results = run.main(["--quick", "--workloads", "generative_agents", "--json", str(path), "--no-ablation"])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    f = results["generative_agents"]["lmc"]
+    for key in ("programs_per_s", "latency_s", "hit_rate", "optimal_hit_rate"):
+        assert f[key] > 0 and f[f"{key}_min"] <= f[key] <= f[f"{key}_max"], key
+    assert f["errors"] == 0 and f["equal_outputs_vs_lmc"] == 1.0
+    assert f["hit_rate"] <= f["optimal_hit_rate"] + 1e-9  # no engine beats the optimum
+    assert f["optimal_hit_rate"] > 0.2  # one call per function: the five share the world description
+    assert results["_meta"]["load_average_before"] and results["_meta"]["workloads"]["generative_agents"]["sharing"]
+    md = render(results, tmp_path)
+    assert "| generative_agents |" in md and "achieved / optimal" in md
+    assert (tmp_path / "suite_throughput.png").stat().st_size > 0 and "suite_throughput.png" in md
