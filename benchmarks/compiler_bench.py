@@ -120,7 +120,8 @@ def main():
         print(f"{name:17s} interpreted {med['interpreted']['median']:7.2f} [{med['interpreted']['min']:.2f}-"
               f"{med['interpreted']['max']:.2f}]  compiled {med['compiled']['median']:7.2f} "
               f"[{med['compiled']['min']:.2f}-{med['compiled']['max']:.2f}] programs/s  "
-              f"x{row['ratio_of_medians']:.2f}  prefill {row['interpreted']['prefill_tokens']} -> {row['compiled']['prefill_tokens']}  forwards "
+              f"x{row['ratio_of_medians']:.2f}  prefill {row['interpreted']['prefill_tokens']} -> "
+              f"{row['compiled']['prefill_tokens']}  forwards "
               f"{row['interpreted']['forwards']} -> {row['compiled']['forwards']}  same={same}", flush=True)
         finish(results["provenance"])
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
