@@ -46,7 +46,7 @@ BENCH_ENV := HF_HUB_OFFLINE=1
 bench: setup
 	$(BENCH_ENV) $(BIN)/python benchmarks/cpu_bench.py
 	$(BENCH_ENV) $(BIN)/python benchmarks/frontend_overhead.py
-	$(BENCH_ENV) $(BIN)/python benchmarks/compiler_bench.py --n 32 --repeat 3
+	$(BENCH_ENV) $(BIN)/python benchmarks/compiler_bench.py --n 32 --repeat 5
 	$(BENCH_ENV) $(BIN)/python benchmarks/jump_forward_bench.py --repeat 3 --sequential 1 --batch 4 --validity --samples 2
 	$(BENCH_ENV) $(BIN)/python benchmarks/speculation_bench.py --programs 10 --repeat 3 --robustness
 	$(BENCH_ENV) $(BIN)/python benchmarks/soak_bench.py --duration 300

@@ -2,8 +2,9 @@
 embedded model.
 
 For every example the two modes alternate (interpreted, compiled, interpreted, ...) R times each, the radix
-cache flushed before every run; reported per mode: the median and min-max of programs/s, and the median prefill
-tokens (prompt tokens not served by the cache) and engine forwards, which are exact counts. The interpreted side
+cache flushed before every run; recorded per mode: programs/s as a record.spread of the runs, and prefill tokens
+(prompt tokens not served by the cache) and engine forwards as record.exact (a spread only if a run differed); per
+example the compiled / interpreted ratio of each repetition (a spread) and the ratio of the two medians. The interpreted side
 is the interpreter as a user runs it (`prog.run_batch`); the compiled side is `prog.compile()` once per example,
 warmed by one batch (its tracing and segment cache are then what a user's second batch sees), run with the same
 `run_batch`. Every run checks that both modes give the same variables (temperature 0).
@@ -17,14 +18,15 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lmc  # noqa: E402
+from record import exact, finish, provenance, spread  # noqa: E402
 
 COUNTRIES = ["France", "Spain", "Germany", "Canada", "Brazil", "India", "China", "Mexico", "Poland", "Cuba",
              "Japan", "Kenya", "Egypt", "Peru", "Chile", "Italy"]
@@ -74,11 +76,9 @@ def measure(backend, run) -> dict:
 
 
 def summary(runs: list[dict]) -> dict:
-    rates = [r["programs_s"] for r in runs]
-    return {"programs_s_median": statistics.median(rates), "programs_s_min": min(rates), "programs_s_max": max(rates),
-            "programs_s_runs": [round(x, 3) for x in rates],
-            "prefill_tokens_median": statistics.median(r["prefill_tokens"] for r in runs),
-            "forwards_median": statistics.median(r["forwards"] for r in runs)}
+    return {"programs_s": spread([r["programs_s"] for r in runs]),
+            "prefill_tokens": exact([r["prefill_tokens"] for r in runs]),
+            "forwards": exact([r["forwards"] for r in runs])}
 
 
 def main():
@@ -93,7 +93,8 @@ def main():
     names = args.only.split(",") if args.only else EXAMPLES
     backend = lmc.Local(device=args.device)
     results = {"config": {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
-                          "machine": platform.node(), "cpus": os.cpu_count(), "note": args.note}, "examples": {}}
+                          "machine": platform.node()},
+               "provenance": provenance("benchmarks/compiler_bench.py", args.note), "examples": {}}
     for name in names:
         prog, items = load(name), instances(name, args.n)
         compiled = prog.compile()
@@ -109,17 +110,20 @@ def main():
             same &= runs["compiled"][-1]["variables"] == runs["interpreted"][-1]["variables"] and \
                 runs["compiled"][-1]["text"] == runs["interpreted"][-1]["text"]
         row = {m: summary(r) for m, r in runs.items()}
-        row["speedup_median"] = row["compiled"]["programs_s_median"] / row["interpreted"]["programs_s_median"]
+        row["ratio"] = spread([c["programs_s"] / i["programs_s"]  # per repetition: same load on both
+                               for c, i in zip(runs["compiled"], runs["interpreted"])])
+        row["ratio_of_medians"] = row["compiled"]["programs_s"]["median"] / row["interpreted"]["programs_s"]["median"]
         row["same_variables_and_text"] = same
         row["segments"] = dict(compiled.stats)
         results["examples"][name] = row
-        print(f"{name:17s} interpreted {row['interpreted']['programs_s_median']:7.2f} "
-              f"[{row['interpreted']['programs_s_min']:.2f}-{row['interpreted']['programs_s_max']:.2f}]  compiled "
-              f"{row['compiled']['programs_s_median']:7.2f} [{row['compiled']['programs_s_min']:.2f}-"
-              f"{row['compiled']['programs_s_max']:.2f}] programs/s  x{row['speedup_median']:.2f}  prefill "
-              f"{row['interpreted']['prefill_tokens_median']:.0f} -> {row['compiled']['prefill_tokens_median']:.0f}"
-              f"  forwards {row['interpreted']['forwards_median']:.0f} -> {row['compiled']['forwards_median']:.0f}"
-              f"  same={same}", flush=True)
+        med = {m: row[m]["programs_s"] for m in modes}
+        print(f"{name:17s} interpreted {med['interpreted']['median']:7.2f} [{med['interpreted']['min']:.2f}-"
+              f"{med['interpreted']['max']:.2f}]  compiled {med['compiled']['median']:7.2f} "
+              f"[{med['compiled']['min']:.2f}-{med['compiled']['max']:.2f}] programs/s  "
+              f"x{row['ratio_of_medians']:.2f}  prefill {row['interpreted']['prefill_tokens']} -> "
+              f"{row['compiled']['prefill_tokens']}  forwards "
+              f"{row['interpreted']['forwards']} -> {row['compiled']['forwards']}  same={same}", flush=True)
+        finish(results["provenance"])
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:  # after every example: a long run stopped early keeps what it measured
             json.dump(results, f, indent=2)

@@ -227,41 +227,32 @@ def render_frontend(r: dict, _dir: Path) -> str:
         command(r), "", table(["path", "programs/s"], rows)]) + "\n"
 
 
-COMPILER_CONFIGS = ["interpreted", "compiled", "no hint", "no fork batching", "no select lowering", "no hoisting",
-                    "FCFS", "radix cache off"]
-
-
-@section("compiler.json")
+@section("compiler_examples.json")
 def render_compiler(r: dict, _dir: Path) -> str:
-    workloads = [w for w in r if w != "provenance"]
-    configs = [c for c in COMPILER_CONFIGS if all(c in r[w] for w in workloads)]
-
-    def speed(c):
-        runs = c.get("programs_s_runs")
-        return fig({"median": c["programs_s"], "min": min(runs), "max": max(runs), "runs": runs} if runs
-                   else c["programs_s"])
-
-    rows = [[f"{w} (programs/s)"] + [speed(r[w][c]) for c in configs] for w in workloads]
-    rows += [[f"{w} (prefill tokens)"] + [num(r[w][c]["prefill_tokens"]) for c in configs] for w in workloads]
-    rows += [[f"{w} (forwards)"] + [num(r[w][c]["forwards"]) for c in configs] for w in workloads]
-    ratio = ", ".join(f"{w} **{r[w]['speedup']:.2f}x**" for w in workloads)
-    same = all(r[w].get("same_variables") for w in workloads)
+    """One row per example of examples/: the two modes side by side, the ratio, the exact counts."""
+    rows = []
+    for name, e in r["examples"].items():
+        i, c, seg = e["interpreted"], e["compiled"], e["segments"]
+        rows.append([f"`{name}`", fig(i["programs_s"]), fig(c["programs_s"]),
+                     f"**{num(e['ratio_of_medians'])}x**; {fig(e['ratio'], unit='x')}",
+                     f"{count(i['prefill_tokens'])} -> {count(c['prefill_tokens'])}",
+                     f"{count(i['forwards'])} -> {count(c['forwards'])}",
+                     "yes" if e["same_variables_and_text"] else "**no**",
+                     f"{seg['segments_traced']} / {seg['segment_reuses']}"])
+    cfg = r["config"]
     return "\n".join([
-        "## Compiler: compiled vs interpreted, and the ablation (CPU, embedded model)\n",
-        "One engine; the radix cache is flushed before every run. Programs/s per configuration as median "
-        "(min-max, runs); a configuration's runs are back to back (configurations do not alternate), so a change "
-        "in the machine's load between configurations shows as a difference. Prefill tokens (prompt tokens minus "
-        "cached ones) and forwards are exact counts of the median run. Plot: `results/compiler_ablation.png`, "
-        "each configuration relative to the interpreter.\n",
-        command(r), "", table(["workload"] + configs, rows), "",
-        f"Compiled / interpreted (ratio of the medians): {ratio}; identical variables on every workload: "
-        f"{'yes' if same else '**no**'}.",
-        "\nWhat the columns switch off: *select lowering* scores a select whose choices are each one token after "
-        "constant text with one request reading the choices' next-token logprobs instead of one prefill per "
-        "choice; *fork batching* sends a fork's branches to the engine together (off, they run one after "
-        "another: see the forwards); *hint* and *hoisting* are the prefix hints (fork commit, batch prefix), sent "
-        "only to backends that do not share prefixes within a batch; *FCFS* and *radix cache off* change the "
-        "engine under the compiled program."]) + "\n"
+        "## Compiler: the examples compiled vs interpreted (CPU, embedded model)\n",
+        f"Each program of `examples/` as `run_batch` of {cfg['n']} instances ({cfg['device']}), interpreted "
+        "(`prog.run_batch`) and compiled (`prog.compile()`, warmed by one batch so its segment cache is what a "
+        f"user's second batch sees), alternating within each of {cfg['repeat']} repetitions; the radix cache is "
+        "flushed before every run, at temperature 0. Programs/s as median (min-max, runs); the ratio as the ratio "
+        "of the two medians, then the per-repetition ratios; prefill tokens (prompt tokens not served by the cache) "
+        "and engine forwards are exact counts, interpreted -> compiled. *Same output*: identical variables and text "
+        "in every repetition. *Segments*: compiled segments traced / reused from the segment cache over the whole "
+        "run (host code between graph breaks runs in Python). Plot: `results/compiler_examples.png`.\n",
+        command(r), "",
+        table(["example", "interpreted (programs/s)", "compiled (programs/s)", "compiled / interpreted",
+               "prefill tokens", "forwards", "same output", "segments traced / reused"], rows)]) + "\n"
 
 
 @section("speculation.json")
@@ -399,7 +390,7 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
         return json.loads(p.read_text()) if p.exists() else None
 
     lines = []
-    cpu, gpu, comp = load("cpu.json"), load("h200_bf16.json"), load("compiler.json")
+    cpu, gpu, comp = load("cpu.json"), load("h200_bf16.json"), load("compiler_examples.json")
     if cpu and "few_shot" in cpu:
         f = cpu["few_shot"]
         lines.append(f"- CPU, the {f['programs']}-program few-shot workload: lmc "
@@ -422,9 +413,12 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
                          f"step, transformers {fig(d['hf_ms_per_step'], 2, ' ms')}: "
                          f"{fig(d['lmc_vs_hf'], unit='x')}; weight-read floor {num(d['floor_ms_per_step'])} ms.")
     if comp:
-        ws = [w for w in comp if w != "provenance"]
-        lines.append("- Compiled / interpreted programs/s on CPU (ratio of medians): "
-                     + ", ".join(f"{w} {comp[w]['speedup']:.2f}x" for w in ws) + ".")
+        lines.append(f"- Compiled / interpreted programs/s on CPU, the examples as `run_batch` of "
+                     f"{comp['config']['n']} (ratio of medians): "
+                     + ", ".join(f"{w} {num(e['ratio_of_medians'])}x" for w, e in comp["examples"].items())
+                     + "; same output in every run: "
+                     + ("yes" if all(e["same_variables_and_text"] for e in comp["examples"].values()) else "**no**")
+                     + ".")
     jf, spec = load("jump_forward_cpu.json"), load("speculation.json")
     if jf and "character" in jf:
         c = max((v for k, v in jf["character"].items() if k.startswith("concurrency_")), key=lambda v: v["concurrency"])

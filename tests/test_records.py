@@ -98,10 +98,10 @@ def test_a_missing_results_file_omits_its_section(tmp_path):
     assert "Compiled / interpreted" not in report.render_readme_block(tmp_path)  # README's line goes with it
 
 
-def test_every_results_file_but_compiler_json_is_optional(tmp_path):
-    """compiler.json is rewritten elsewhere: the report still renders without it (and without any other file)."""
+def test_every_results_file_is_optional(tmp_path):
+    """Without compiler_examples.json its section goes (and the report renders without any other file)."""
     for p in report.RESULTS_DIR.glob("*.json"):
-        if p.name != "compiler.json":
+        if p.name != "compiler_examples.json":
             shutil.copy(p, tmp_path)
     text = report.render_results(tmp_path)
     assert "## Compiler" not in text and "## Jump-forward" in text and "## API speculative" in text
@@ -189,4 +189,15 @@ def test_plots_are_drawn_from_the_json(tmp_path):
     cpu = json.loads((tmp_path / "cpu.json").read_text())
     assert panels["CPU few-shot (programs/s)"]["lmc"] == cpu["few_shot"]["lmc_programs_s"]
     plot.main(tmp_path)
-    assert (tmp_path / "summary.png").stat().st_size > 0 and (tmp_path / "compiler_ablation.png").stat().st_size > 0
+    assert (tmp_path / "summary.png").stat().st_size > 0 and (tmp_path / "compiler_examples.png").stat().st_size > 0
+
+
+def test_compiler_examples_section_shows_each_example_from_the_json():
+    r = json.loads((report.RESULTS_DIR / "compiler_examples.json").read_text())
+    assert r["provenance"]["command"].startswith("python benchmarks/compiler_bench.py")
+    text = report.render_compiler(r, report.RESULTS_DIR)
+    for name, e in r["examples"].items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
+        assert report.fig(e["interpreted"]["programs_s"]) in row and report.fig(e["compiled"]["programs_s"]) in row
+        assert f"{report.num(e['ratio_of_medians'])}x" in row
+        assert e["ratio"]["min"] <= e["ratio"]["median"] <= e["ratio"]["max"]
