@@ -159,6 +159,24 @@ def test_fork_item_append_works_in_both_modes(backend):
         forks[0] = "other"
 
 
+@sgl.function
+def merge_branch_values(s, topic):
+    s += "Two words about " + topic + ":"
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f" word {i + 1}:" + sgl.gen("w", max_tokens=3, stop="\n")
+    forks.join()
+    for i in range(2):  # branch-solve-merge: each branch's own value, not the gathered list
+        s += f"\nWord {i + 1} was" + forks[i]["w"]
+    s += "\nBetter one:" + sgl.gen("best", max_tokens=3, stop="\n")
+
+
+def test_branch_variables_read_after_the_join_are_the_branchs_own(backend):
+    state = same(merge_branch_values, backend, topic="rain").run(topic="rain", backend=backend, temperature=0)
+    first, second = state["w"]
+    assert f"Word 1 was{first}" in state.text() and f"Word 2 was{second}" in state.text()
+
+
 class LastChoiceWins(sgl.ChoicesSamplingMethod):
     """A user-defined method: the choice with the lowest mean logprob (so it differs from the default)."""
 

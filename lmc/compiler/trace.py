@@ -225,6 +225,8 @@ class TraceState(RoleMethods):
     """The `s` a traced body writes to: records nodes instead of running them (or, replaying, counts the
     operations that already ran and binds their outputs to the executed values)."""
 
+    _joined = False  # a fork branch whose join has been traced
+
     def __init__(self, tracer: _Tracer, stream: int, bindings: Bindings):
         self._t, self._stream, self._b = tracer, stream, bindings
 
@@ -292,6 +294,8 @@ class TraceState(RoleMethods):
         if isinstance(b, Known):
             self._t.guard_var(name, b)
             return b.value
+        if self._joined:  # a var node reads the current stream's variable, which after the join is the gathered list
+            raise GraphBreak(f"branch variable {name!r} read after the join (forks[i][...]) needs its value")
         return Symbol("var", name)
 
     get_var = __getitem__
@@ -385,6 +389,8 @@ class TraceGroup(ProgramStateGroup):
         t = parent._t
         emitting = t.emitting()
         t.count()
+        for st in self.states:
+            st._joined = True
         if not emitting:  # replaying: the gathered values are the executed ones
             if mode == "gather_variable":
                 for name in _gathered(parent._b, [st._b for st in self.states]):
