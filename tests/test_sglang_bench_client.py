@@ -2,7 +2,8 @@
 run as a subprocess against `lmc serve` on loopback, streamed (its default) and with `--disable-stream`, on its
 synthetic `generated-shared-prefix` workload (groups of prompts sharing a system prompt; the `random` and ShareGPT
 workloads download a dataset). The tokenizer is the embedded model's local directory; nothing reaches a hub.
-0.5.10's client has no `--cache-report` (0.5.23 added it).
+0.5.10's client has no `--cache-report`; 0.5.23's has, but it imports SGLang's GPU server stack (torch.distributed,
+model configs, via `sglang.srt.disaggregation.utils`) for one constant, which the project does not install.
 
 Every request must complete with no error, and the client's token counts must be consistent with what was asked."""
 import json
@@ -34,7 +35,8 @@ def run_client(server, tmp_path: Path, *extra: str) -> dict:
            "--model", model_dir, "--tokenizer", model_dir,
            "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(GROUPS),
            "--gsp-prompts-per-group", str(PROMPTS_PER_GROUP), "--gsp-system-prompt-len", "32",
-           "--gsp-question-len", "8", "--gsp-output-len", str(OUTPUT_LEN), "--num-prompts", str(GROUPS * PROMPTS_PER_GROUP),
+           "--gsp-question-len", "8", "--gsp-output-len", str(OUTPUT_LEN),
+           "--num-prompts", str(GROUPS * PROMPTS_PER_GROUP),
            "--warmup-requests", "1", "--disable-tqdm", "--output-details", "--output-file", str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
