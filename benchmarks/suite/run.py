@@ -18,7 +18,8 @@ run, the Figure-8 ablation: the share of requests whose cached prefix is ignored
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
     python benchmarks/suite/run.py --peer vllm                             # the recorded run: all systems, 3 runs
     python benchmarks/suite/run.py --workloads mmlu,rag --systems lmc,lmc-interpreted --runs 3
-    python benchmarks/suite/run.py --model dummy:llama-2-7b@smollm2-135m-instruct --peer transformers  # a GPU
+    python benchmarks/suite/run.py --model dummy:llama-2-7b@smollm2-135m-instruct --peer transformers \
+        --ignore-eos --workloads ...  # a GPU (json_decode needs regex, which transformers refuses)
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class System:
     engine: object = None  # the lmc Engine behind a Local backend (None for API backends)
     peer: object = None  # the vLLM server (reset between measurements)
     tokenizer: object = None
+    sampling: dict = None  # run-wide sampling defaults for every call (e.g. ignore_eos)
 
     def flush(self) -> None:
         if self.engine is not None:
@@ -100,7 +102,7 @@ def run_throughput(system: System, w: Workload) -> tuple[float, list, CacheFigur
     def one(prog, items):
         try:
             out = runnable(prog, system.compiled).run_batch([a for _, a in items], backend=system.backend,
-                                                            temperature=0)
+                                                            temperature=0, **(system.sampling or {}))
             for (i, _), st in zip(items, out):
                 states[i] = st
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -126,7 +128,8 @@ def run_latency(system: System, w: Workload) -> float:
     calls = w.calls[:w.latency_calls]
     t0 = time.perf_counter()
     for prog, args in calls:
-        st = runnable(prog, system.compiled).run(backend=system.backend, temperature=0, **args)
+        st = runnable(prog, system.compiled).run(backend=system.backend, temperature=0,
+                                                 **(system.sampling or {}), **args)
         if st.error() is not None:
             raise st.error()
     return (time.perf_counter() - t0) / len(calls)
@@ -196,6 +199,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer", choices=["vllm", "transformers"], default=None, help="add the peer system")
     ap.add_argument("--runs", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every gen runs to its max_tokens unless a stop string ends it: fixed output lengths on "
+                         "dummy weights, whose end-of-sequence token comes at random")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--vllm-url", default=None, help="use a vLLM server already running at this base URL (its "
@@ -213,6 +219,7 @@ def main(argv=None) -> dict:
     out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
 
     peer_server = None
+    device = _device_name()
     started = time.time()
     load_before = os.getloadavg()  # again once measuring starts
     loads: list = []
@@ -227,7 +234,11 @@ def main(argv=None) -> dict:
             "model": args.model, "json_name": out_path.name, "wall_s": round(time.time() - started, 1),
             "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
-            "note": ("shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
+            "device": device, "ignore_eos": args.ignore_eos,
+            "note": (f"one {device}, which every system shares (its engines hold their weights and KV pools side by "
+                     "side); systems alternate within every run; medians of the runs with min-max"
+                     if device != "cpu" else
+                     "shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
                      "averages); lmc and vLLM use 2 threads each; systems alternate within every run; medians of "
                      "the runs with min-max"),
             "workloads": {w.name: {"sharing": w.sharing, "programs": len(w.calls),
@@ -250,6 +261,8 @@ def main(argv=None) -> dict:
             print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
     try:
         systems = make_systems(names, args.model, peer_server)
+        for sysm in systems.values():
+            sysm.sampling = {"ignore_eos": True} if args.ignore_eos else {}
         if args.start_at:
             now = datetime.datetime.now(datetime.timezone.utc)
             hh, mm = map(int, args.start_at.split(":"))
@@ -302,6 +315,12 @@ def main(argv=None) -> dict:
         for p in write_all(results, out_path.parent, prefix=out_path.stem):
             print(f"wrote {p}")
     return results
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def summarize(raw: dict, workloads: list[Workload], names: list[str]) -> dict:
