@@ -40,8 +40,15 @@ def test_every_workload_builds_from_the_shipped_data():
 
 
 def test_quick_run_of_one_workload(tmp_path):
+    import importlib.util
+
     import run
-    from report import render
+
+    # By path: `report` is also benchmarks/report.py's module name (tests/test_records.py imports that one).
+    spec = importlib.util.spec_from_file_location("suite_report", SUITE / "report.py")
+    suite_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite_report)
+    render = suite_report.render
 
     path = tmp_path / "suite.json"
     results = run.main(["--quick", "--workloads", "generative_agents", "--json", str(path), "--no-ablation"])
