@@ -11,7 +11,9 @@ Measures:
   (runner time: forward + sampling) of a run;
 - no_sharing: 48 unrelated 200-token prompts, 16 generated each, wall time and tok/s of output;
 - start: seconds from a fresh `python` process to an Engine ready to serve, per configuration (see measure_starts).
-Each figure is the median of --reps repetitions with min and max. JSON: benchmarks/results/cpu_speed.json.
+Each figure is the median of --reps repetitions with min and max (record.spread). JSON:
+benchmarks/results/cpu_speed.json, with the command and load of the run in `provenance` (record.provenance) and,
+for the start times (which an --only-start run may measure separately), in `start_provenance`.
 
     python benchmarks/cpu_speed.py [--reps 3] [--configs before kernel compiled] [--skip-start | --only-start]
 """
@@ -29,8 +31,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from lmc.runtime import Engine  # noqa: E402
+from record import SHARED_MACHINE_NOTE, finish, provenance, spread  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 CONFIGS = {
@@ -39,10 +43,6 @@ CONFIGS = {
     "compiled": {"attention_backend": "cpu", "enable_torch_compile": True},
 }
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu_speed.json")
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def decode_step_s(eng: Engine, batch: int, new: int, seed: int) -> float:
@@ -137,11 +137,13 @@ def main() -> None:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    prov = provenance("benchmarks/cpu_speed.py", SHARED_MACHINE_NOTE)
     if args.only_start:
         out = json.load(open(args.out)) if os.path.exists(args.out) else {}
         load = os.getloadavg()
         out["start_s"] = measure_starts(args.configs, args.start_reps or args.reps)
         out["start_load_average_before_after"] = [load, os.getloadavg()]
+        out["start_provenance"] = finish(prov)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
         print(json.dumps(out["start_s"], indent=1))
@@ -166,7 +168,7 @@ def main() -> None:
     results = {name: {k: spread(v) for k, v in r.items() if v} for name, r in runs.items()}
     for r in results.values():
         if "no_sharing_s" in r:
-            r["no_sharing_out_tok_s"] = {k: 48 * 16 / v for k, v in r["no_sharing_s"].items() if k != "runs"}
+            r["no_sharing_out_tok_s"] = spread([48 * 16 / s for s in r["no_sharing_s"]["runs"]])
     out = {
         "model": MODEL, "dtype": "float32", "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "reps": args.reps, "configs": {k: CONFIGS[k] for k in args.configs},
@@ -175,13 +177,17 @@ def main() -> None:
                  "average is recorded before and after. Configurations alternate within each repetition, so load "
                  "changes hit all of them; absolute numbers are slower than on an idle machine."),
         "load_average_before_after": [load_before],
+        "provenance": prov,
     }
     if os.path.exists(args.out):  # start times measured by an earlier --only-start run are kept
         prev = json.load(open(args.out))
-        out.update({k: prev[k] for k in ("start_s", "start_load_average_before_after") if k in prev})
+        out.update({k: prev[k] for k in ("start_s", "start_load_average_before_after", "start_provenance")
+                    if k in prev})
     if not args.skip_start:
         out["start_s"] = measure_starts(args.configs, args.start_reps or args.reps)
+        out["start_provenance"] = prov
     out["load_average_before_after"].append(os.getloadavg())
+    finish(prov)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

@@ -359,6 +359,75 @@ def render_soak(r: dict, _dir: Path) -> str:
         command(r), "", table(["memory", "after warm-up", "first round", "last round", "max"], mem)]) + "\n"
 
 
+SCALE_SYSTEMS = {"one": "one replica", "round_robin": "2 replicas, round_robin",
+                 "cache_aware": "2 replicas, cache_aware"}
+
+
+@section("scale.json")
+def render_scale(r: dict, _dir: Path) -> str:
+    """The three systems of scale_bench.py side by side, the ratios of medians, the per-run load."""
+    w, ratios = r["workload"], r["ratios_of_medians"]
+    rows = []
+    for name, label in SCALE_SYSTEMS.items():
+        s, runs = r["summary"][name], r["runs_detail"][name]
+        splits = sorted({"/".join(str(n) for n in x["per_replica_requests"]) for x in runs})
+        rows.append([label, fig(s["requests_s"]), fig(s["output_tok_s"], 1), pct(s["hit_rate"]),
+                     fig(s["p50_latency_s"], 1, " s"), ", ".join(splits), str(sum(x["errors"] for x in runs))])
+    loads = [x for runs in r["runs_detail"].values() for run in runs for x in run["loadavg_1m_before_after"]]
+    return "\n".join([
+        "## Scale-out: lmc replicas behind SGLang's gateway, CPU, embedded model\n",
+        f"A shared-prefix workload: {w['groups']} groups of {w['per_group']} requests ({w['requests']} in all), the "
+        f"requests of a group sharing a {w['prefix_tokens']}-token system prompt, interleaved, {w['concurrency']} at "
+        f"a time, {w['max_tokens']} tokens generated each (greedy, ignore_eos). Each replica is pinned to one core "
+        f"with a {num(w['kv_pool_tokens'])}-token KV pool (about half of the groups' prefixes), so a replica that "
+        f"sees every group keeps evicting. Gateway: {r['gateway']}, in front of the same replica processes for all "
+        f"three systems, which alternate within each of {r['runs']} runs (caches flushed before each). The best "
+        f"any routing can do (each prefix computed once) serves {pct(w['ideal_hit_rate'], exact=True)} of the "
+        "prompt tokens from cache. Median (min-max) of the runs; requests per replica as counted by the "
+        "replicas' metrics, per run.\n",
+        command(r) + f" Load average (1 min) around the runs: {num(min(loads))}-{num(max(loads))} on "
+        f"{r['machine']['cpus']} CPUs. Run note: {r['note']}.", "",
+        table(["system", "requests/s", "output tokens/s", "prompt tokens from cache", "median latency",
+               "requests per replica", "errors"], rows), "",
+        f"cache_aware / one replica: {num(ratios['cache_aware_vs_one_throughput'])}x the throughput, "
+        f"{num(ratios['cache_aware_vs_one_hit_rate'])}x the cache hit rate; cache_aware / round_robin: "
+        f"{num(ratios['cache_aware_vs_round_robin_throughput'])}x the throughput (ratios of the medians).\n",
+        "![scale-out](results/scale.png)"]) + "\n"
+
+
+CPU_SPEED_ROWS = {"decode_b1_tok_s": ("decode, batch 1 (tokens/s)", 1),
+                  "decode_b16_tok_s": ("decode, batch 16 (tokens/s)", 1),
+                  "no_sharing_s": ("no sharing: 48 unrelated 200-token prompts, 16 generated each (s)", 1),
+                  "no_sharing_out_tok_s": ("no sharing: output tokens/s", 1)}
+
+
+@section("cpu_speed.json")
+def render_cpu_speed(r: dict, _dir: Path) -> str:
+    """cpu_speed.py's configurations as columns: decode and no-sharing speed, then the start times."""
+    names = list(r["configs"])
+    res = r["results"]
+    rows = [[label] + [fig(res[n][key], digits) if key in res[n] else "-" for n in names]
+            for key, (label, digits) in CPU_SPEED_ROWS.items()]
+    starts = r.get("start_s", {})
+    start_rows = [[f"{kind} start (s)"] + [fig(starts[n][kind], 1) if kind in starts.get(n, {}) else "-"
+                                         for n in names] for kind in ("first", "warm")]
+
+    def config(c):
+        return ", ".join(f"`{k}={v}`" for k, v in c.items())
+    out = ["## CPU runtime speed: the paged attention kernel and torch.compile, embedded model\n",
+           f"{r['model']} in {r['dtype']}, torch {r['torch']}, {r['threads']} threads; configurations "
+           + "; ".join(f"*{n}*: {config(c)}" for n, c in r["configs"].items())
+           + ". All in one process, alternating within each repetition. Decode tokens/s is the batch over the "
+           "median runner step (forward + sampling) of a run, 64-token random prompts.\n",
+           command(r) + f" Run note: {r['note']}", "",
+           table(["workload"] + names, rows)]
+    if starts:
+        out += ["\nStart: seconds from a fresh `python` process to an Engine ready to serve; *first* with empty "
+                "kernel-build and inductor caches (once), *warm* with them filled.\n",
+                command({"provenance": r["start_provenance"]}), "", table(["start"] + names, start_rows)]
+    return "\n".join(out) + "\n"
+
+
 def _register_suite() -> None:
     """The peer suite's section: benchmarks/suite/report.py's `render`, for results/suite*.json."""
     path = HERE / "suite" / "report.py"
@@ -432,6 +501,15 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
                      f"(completion model): {count(s['prompt_token_ratio'], 3, 'x')} the prompt tokens and "
                      f"{count(s['billed_token_ratio'], 3, 'x')} the billed tokens of the normal run, wall time "
                      f"{fig(s['wall_ratio'], 3, 'x')}.")
+    scale = load("scale.json")
+    if scale:
+        sm, ratios = scale["summary"], scale["ratios_of_medians"]
+        lines.append(f"- Scale-out on CPU, 2 lmc replicas (one core each) behind SGLang's gateway, a shared-prefix "
+                     f"workload: cache_aware routing {fig(sm['cache_aware']['requests_s'], unit=' requests/s')}, "
+                     f"{num(ratios['cache_aware_vs_one_throughput'])}x one replica and "
+                     f"{num(ratios['cache_aware_vs_round_robin_throughput'])}x round_robin (ratios of medians); "
+                     f"prompt tokens from cache {pct(sm['cache_aware']['hit_rate'])}, against round_robin's "
+                     f"{pct(sm['round_robin']['hit_rate'])} and one replica's {pct(sm['one']['hit_rate'])}.")
     return "\n".join([README_BEGIN, *lines, README_END])
 
 

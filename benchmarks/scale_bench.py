@@ -12,7 +12,8 @@ Systems, alternated within each run (the replicas' caches are flushed before eac
 The three gateways run side by side in front of the same replica processes (one load of the model each).
 
 Reported per system: throughput (requests/s, output tokens/s), the share of prompt tokens served from a replica's
-prefix cache, median latency, and each replica's share of the requests; median of the runs with min-max.
+prefix cache, median latency, and each replica's share of the requests; median of the runs with min-max
+(record.spread); the command and the machine's load in `provenance` (record.provenance).
 
     python benchmarks/scale_bench.py [--runs 3] [--out benchmarks/results/scale.json]
 """
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 try:
     import httpx
@@ -38,6 +40,7 @@ except ImportError:  # installs that ship httpx under the name httpx2
 
 from lmc.server.replicas import (Child, ReplicaSet, gateway_command, gateway_env, free_port,  # noqa: E402
                                  plan_replicas)
+from record import finish, provenance, spread  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ("river stone lantern orchard copper meadow harbor signal velvet canyon ember willow glacier quartz "
@@ -109,11 +112,8 @@ def wait_ready(url: str, workers: int, timeout: float = 60) -> None:
 
 
 def summarize(runs: list[dict]) -> dict:
-    out = {}
-    for key in ("requests_s", "output_tok_s", "hit_rate", "p50_latency_s", "wall_s"):
-        vals = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-    return out
+    return {key: spread([r[key] for r in runs])
+            for key in ("requests_s", "output_tok_s", "hit_rate", "p50_latency_s", "wall_s")}
 
 
 def plot(result: dict, path: str) -> None:
@@ -150,6 +150,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale.json"))
     ap.add_argument("--note", default="")
     args = ap.parse_args()
+    note = args.note or ("2-core machine shared with other engineers: each replica pinned to one core, the gateway "
+                         "and the client share those cores; load averages recorded per run")
+    prov = provenance("benchmarks/scale_bench.py", note)
 
     reqs = workload(args.groups, args.per_group, args.prefix_words)
     cpus = sorted(os.sched_getaffinity(0))[:2]
@@ -224,8 +227,8 @@ def main() -> None:
             max(1e-9, one["hit_rate"]["median"]),
         },
         "runs_detail": runs,
-        "note": args.note or ("2-core machine shared with other engineers: each replica pinned to one core, the "
-                              "gateway and the client share those cores; load averages recorded per run"),
+        "note": note,
+        "provenance": finish(prov),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

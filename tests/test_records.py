@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import report  # noqa: E402
 
+PERCENT_RANGE = re.compile(r"([\d.]+)% \(([\d.]+)-([\d.]+), (\d+ runs\))")
 NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?!\d)(%?)")
 
 
@@ -53,6 +54,8 @@ def _quoted_numbers(text: str) -> list[tuple[str, float, int, bool]]:
     """(as written, value, decimals, is a percentage) for each number outside code spans (names like
     `llama-2-7b` and commands are not quotes of a measurement)."""
     text = re.sub(r"`[^`]*`", "", text)
+    # the range of a percentage, "74.0% (72.0-74.0, 3 runs)", is in percent too
+    text = PERCENT_RANGE.sub(lambda m: f"{m[1]}% ({m[2]}%-{m[3]}%, {m[4]}", text)
     found = []
     for m in NUMBER.finditer(text):
         whole, frac, percent = m.groups()
@@ -88,6 +91,8 @@ def test_number_check_catches_a_hand_typed_number():
     assert not _in_json(v, d, p, numbers)
     (_, v, d, p), = _quoted_numbers("93.8% of prompt tokens")
     assert _in_json(v, d, p, [0.9376])
+    assert [q[1:] for q in _quoted_numbers("74.0% (72.0-74.0, 3 runs)")] == \
+        [(74.0, 1, True), (72.0, 1, True), (74.0, 1, True), (3, 0, False)]
 
 
 def test_a_missing_results_file_omits_its_section(tmp_path):
@@ -201,3 +206,24 @@ def test_compiler_examples_section_shows_each_example_from_the_json():
         assert report.fig(e["interpreted"]["programs_s"]) in row and report.fig(e["compiled"]["programs_s"]) in row
         assert f"{report.num(e['ratio_of_medians'])}x" in row
         assert e["ratio"]["min"] <= e["ratio"]["median"] <= e["ratio"]["max"]
+
+
+def test_scale_section_shows_each_system_and_its_command_from_the_json():
+    r = json.loads((report.RESULTS_DIR / "scale.json").read_text())
+    assert r["provenance"]["command"].startswith("python benchmarks/scale_bench.py")
+    text = report.render_scale(r, report.RESULTS_DIR)
+    for name, label in report.SCALE_SYSTEMS.items():
+        s = r["summary"][name]
+        assert report.is_spread(s["requests_s"]) and len(s["requests_s"]["runs"]) == r["runs"] >= 3
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+        assert report.fig(s["requests_s"]) in row and report.pct(s["hit_rate"]) in row
+    assert "Command: `python benchmarks/scale_bench.py" in text and "results/scale.png" in text
+
+
+def test_cpu_speed_section_shows_each_configuration_and_both_commands():
+    r = json.loads((report.RESULTS_DIR / "cpu_speed.json").read_text())
+    text = report.render_cpu_speed(r, report.RESULTS_DIR)
+    assert text.count("Command: `python benchmarks/cpu_speed.py") == 2 and "--only-start" in text
+    row = next(line for line in text.splitlines() if line.startswith("| decode, batch 16"))
+    assert [report.fig(r["results"][n]["decode_b16_tok_s"], 1) for n in r["configs"]] == \
+        row.strip("| ").split(" | ")[1:]
