@@ -356,7 +356,10 @@ def render_soak(r: dict, _dir: Path) -> str:
         f"prefix had {num(warm['cached_tokens_after'])} of {num(warm['prompt_tokens'])} prompt tokens cached; the "
         f"compiled-grammar cache held {g['entries']} of at most {g['max_entries']} entries ({g['compiles']} compiles, "
         f"{g['evictions']} evictions, {g['timeouts']} timeouts).\n",
-        command(r), "", table(["memory", "after warm-up", "first round", "last round", "max"], mem)]) + "\n"
+        command(r), "", table(["memory", "after warm-up", "first round", "last round", "max"], mem),
+        *([f"\nThe KV pool ({num(r['kv_pool_mb'])} MB) is allocated uninitialised: its pages become resident as "
+           "traffic first writes each slot, so RSS grows towards the pool's size before it levels off."]
+          if "kv_pool_mb" in r else [])]) + "\n"
 
 
 SCALE_SYSTEMS = {"one": "one replica", "round_robin": "2 replicas, round_robin",

@@ -112,7 +112,11 @@ def main() -> int:
         metrics = soak.main.get("/metrics").text
         soak.close()
     sampler.stop.set()
-    engine.shutdown()
+    device = str(engine.device)
+    # The KV pool is allocated uninitialised: its pages become resident as slots are first written, so RSS grows
+    # towards this size as traffic reaches new slots, and a leak shows as growth past it.
+    kv_pool_mb = sum(b.numel() * b.element_size() for b in engine.runner.kv.k + engine.runner.kv.v) / 2**20
+    engine.shutdown()  # releases the runner: read what it holds before
 
     rss = [mb for _, mb in sampler.samples]
     per_round = [r["requests"] / r["seconds"] for r in rounds]
@@ -120,8 +124,9 @@ def main() -> int:
         "benchmark": "soak",
         "command": "python benchmarks/soak_bench.py " + " ".join(sys.argv[1:]),
         "note": args.note or "shared, noisy machine: throughput figures are indicative only",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(engine.runner.device),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device,
                     "torch_threads": torch.get_num_threads()},
+        "kv_pool_mb": round(kv_pool_mb),
         "duration_s": round(elapsed, 1),
         "rounds": len(rounds),
         "requests_total": sum(r["requests"] for r in rounds),
