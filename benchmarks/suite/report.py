@@ -104,6 +104,8 @@ def render(results: dict, results_dir) -> str:
                               "max_tokens unless one of its stop strings ends it)." if meta.get("ignore_eos") else "")
                 + " Such weights give near-uniform logits, so equal outputs across systems are weak evidence here.",
                 ""]
+    if meta.get("erratum"):
+        out += [f"**Erratum:** {meta['erratum']}", ""]
     if "transformers" in systems and "json_decode" not in meta.get("workloads", {}):
         out += ["`json_decode` is left out: its gens are regex-constrained, which transformers does not decode.", ""]
     if meta.get("partial") or (meta.get("runs_asked") and meta.get("runs") != meta.get("runs_asked")):
