@@ -358,7 +358,8 @@ def render_soak(r: dict, _dir: Path) -> str:
         f"{g['evictions']} evictions, {g['timeouts']} timeouts).\n",
         command(r), "", table(["memory", "after warm-up", "first round", "last round", "max"], mem),
         *([f"\nThe KV pool ({num(r['kv_pool_mb'])} MB) is allocated uninitialised: its pages become resident as "
-           "traffic first writes each slot, so RSS grows towards the pool's size before it levels off."]
+           "traffic first writes each slot, so RSS can grow by up to the pool's size without a leak; this run "
+           "does not show whether its growth stops there."]
           if "kv_pool_mb" in r else [])]) + "\n"
 
 
