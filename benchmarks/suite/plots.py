@@ -39,16 +39,20 @@ def _bars(ax, results, key: str, normalize: bool):
     ax.legend(fontsize=7)
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def throughput(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.6))
     _bars(ax, results, "programs_per_s", normalize=True)
     ax.axhline(1.0, color="grey", lw=0.6)
     ax.set_ylabel("throughput / lmc's")
     ax.set_title("Normalized throughput (programs/s, median of runs, min-max bars; higher is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def latency(results: dict, path: Path) -> Path:
@@ -57,10 +61,7 @@ def latency(results: dict, path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_ylabel("seconds per program")
     ax.set_title("Latency, one program at a time (median of runs, min-max bars; lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def hit_rates(results: dict, path: Path) -> Path:
@@ -79,10 +80,7 @@ def hit_rates(results: dict, path: Path) -> Path:
     ax.set_ylabel("achieved cache hit rate (%)")
     ax.set_title("Achieved vs optimal hit rate, per workload")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def ablation(results: dict, path: Path) -> Path:
@@ -98,10 +96,7 @@ def ablation(results: dict, path: Path) -> Path:
     ax.set_xlabel("cache hit rate (%)")
     ax.set_ylabel("programs/s")
     ax.set_title(f"Ablation on {results['_ablation']['workload']}: hit rate vs throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_all(results: dict, out_dir: Path, prefix: str = "suite_cpu") -> list[Path]:
