@@ -35,7 +35,9 @@ models), through the `openai` client.
   (at least N tokens, no stop); the following gens and constant fills are served from that text while it matches
   the template. The buffer is anchored to the exact state text it continues and lives on the program's own
   stream, so programs of a run_batch and forks never see each other's; a gen whose text does not match runs as a
-  normal call (a value is never silently empty).
+  normal call (a value is never silently empty). A compiled program runs the groups its plan fixed
+  (lmc.passes.api_speculation, lowered into the plan's generate ops): the backend then decides nothing, a gen
+  outside every group is a normal call. An interpreted program has no plan: the backend decides as it goes.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from ..protocol import ROLES, Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
+from ..protocol.backend import SpecStep
 from .endpoint import _httpx, template_from_model_info
 from .logit_bias import DTYPE_PATTERNS, Stepper, Vocabulary, load_tokenizer
 from .usage import (Usage, current_stream, program_usage, record_usage, stream_usage,  # noqa: F401 (re-exported)
@@ -200,7 +203,7 @@ class OpenAI:
             tmpl = template_from_model_info(self.model_info)
         self.chat_template = tmpl or ChatTemplate.plain()
         self.exact_template = self.server == "lmc" and chat_template is None
-        self.capabilities = Capabilities(images=self.is_chat_model and self.server != "lmc")
+        self.capabilities = Capabilities(images=self.is_chat_model and self.server != "lmc", planned_speculation=True)
         self.usage = Usage()
         self._usage_lock = threading.Lock()
         self._clients: dict[int, Any] = {}
@@ -579,13 +582,22 @@ class OpenAI:
         return texts, metas
 
     # ---- Backend protocol --------------------------------------------------------------------------------
-    async def generate(self, text: str, params: GenParams, images: list[Image]):
+    async def generate(self, text: str, params: GenParams, images: list[Image], speculation: SpecStep | None = None):
+        """`speculation`: a compiled plan's step (Capabilities.planned_speculation), which alone decides; without
+        one (an interpreted program with num_api_spec_tokens) the rule of `_spec_generate` decides at run time.
+        A gen whose options rule speculation out at run time (logprobs or a constraint from run()) is a normal
+        call either way."""
         n = params.n or 1
         stream = current_stream()
         stream_usage(stream)
         spec_n = getattr(stream, "num_api_spec_tokens", None) if stream is not None else None
-        if spec_n and n == 1 and _speculable(params):
-            got = await self._spec_generate(stream, text, params, images, spec_n)
+        if stream is not None and n == 1 and _speculable(params):
+            got = None
+            if speculation is not None:
+                if speculation.group is not None:
+                    got = await self._planned_generate(stream, text, params, images, speculation)
+            elif spec_n:
+                got = await self._spec_generate(stream, text, params, images, spec_n)
             if got is not None:
                 return got
         if self._lowering(params, self._route()) == "logit_bias":
@@ -777,8 +789,9 @@ class OpenAI:
 
     # ---- API speculative execution ----------------------------------------------------------------------
     async def _spec_generate(self, stream, text: str, params: GenParams, images, spec_n: int):
-        """Serve the gen from the stream's speculative text when the state still follows it; else make a
-        speculative call (over-generate, no stop) when one can help. None: run the gen as a normal call.
+        """Interpreted programs (no plan): serve the gen from the stream's speculative text when the state still
+        follows it; else make a speculative call (over-generate, no stop) when one can help. None: run the gen as
+        a normal call.
 
         - the state follows the buffer: the value is the text up to the gen's stop (or the end of a completion
           the model finished); a value that would not fit the gen's max tokens runs as a normal call (it would
@@ -792,12 +805,33 @@ class OpenAI:
             if full.startswith(text):
                 status, value = _spec_take(buf, text, params)
                 if status == "ok":
-                    record_usage(None, self, usage=Usage(calls_saved=1))
-                    return value, {"speculative": True, "finish_reason": {"type": "stop"}, "spec_call_id": buf["id"]}
+                    return self._served(buf, value)
                 if status == "too_long":
                     return None
             elif not text.startswith(full) and len(stream.messages) <= buf["turn"]:
                 return None  # diverged from the template inside the buffer: normal calls for this turn
+        return await self._spec_call(stream, text, params, images, spec_n, None)
+
+    async def _planned_generate(self, stream, text: str, params: GenParams, images, step: SpecStep):
+        """Compiled programs: the gen's place in the plan's speculation groups decides. The group's first gen
+        makes the over-generated call; the others take their value from its text, or (None) run as normal calls
+        where the model did not follow the template. Nothing is decided here."""
+        if step.first:
+            return await self._spec_call(stream, text, params, images, step.tokens, step.group)
+        buf = getattr(stream, _SPEC_ATTR, None)
+        if buf is None or buf["group"] != step.group:
+            return None  # the group's first call did not run as speculative (its value was cut short)
+        status, value = _spec_take(buf, text, params)
+        return self._served(buf, value) if status == "ok" else None
+
+    def _served(self, buf: dict, value: str):
+        record_usage(None, self, usage=Usage(calls_saved=1))
+        return value, {"speculative": True, "finish_reason": {"type": "stop"}, "spec_call_id": buf["id"],
+                       "spec_group": buf["group"]}
+
+    async def _spec_call(self, stream, text: str, params: GenParams, images, spec_n: int, group: int | None):
+        """One over-generated call continuing `text` (no stop), kept as the stream's speculative buffer (group:
+        the plan's group it serves); the gen's value from it, or None (a normal call decides it)."""
         setattr(stream, _SPEC_ATTR, None)
         max_tokens = max(spec_n, params.max_new_tokens or 0)
         kind = self._route()
@@ -822,14 +856,15 @@ class OpenAI:
         u = out.get("usage") or {}
         ntok = u.get("completion_tokens") or 0
         buf = {"anchor": anchor, "text": completion, "id": out.get("id"), "turn": len(stream.messages),
-               "complete": ch.get("finish_reason") == "stop",
+               "complete": ch.get("finish_reason") == "stop", "group": group,
                "chars_per_token": len(completion) / ntok if ntok else 4.0}
         setattr(stream, _SPEC_ATTR, buf)
         status, value = _spec_take(buf, text, params)
         if status != "ok":
             return None
-        return value, {"speculative": True, "spec_call_id": buf["id"], "finish_reason": {"type": "stop"},
-                       "prompt_tokens": u.get("prompt_tokens"), "completion_tokens": ntok,
+        return value, {"speculative": True, "spec_call_id": buf["id"], "spec_group": group,
+                       "finish_reason": {"type": "stop"}, "prompt_tokens": u.get("prompt_tokens"),
+                       "completion_tokens": ntok,
                        "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 

@@ -18,7 +18,8 @@ from ..ir import ProgramGraph
 from ..passes import constant_prefix
 from ..passes.cost import estimate
 from ..protocol import NO_CAPABILITIES, Capabilities, ChatTemplate, capabilities
-from .executor import Plan, run_segment
+from .executor import run_segment
+from .lower import Plan, lower
 from .interpret import interpret_rest
 from .pipeline import PassManager, Target, check_pass_names
 from .trace import Resume, Segment, trace_segment
@@ -232,7 +233,7 @@ class CompiledProgram:
         concrete, text_args = self._split(kwargs)
         args = dict(kwargs)  # the arguments, and the outputs of the program's nested calls
         while True:
-            brk = await run_segment(g, args, stream, self._plan(g, backend))
+            brk = await run_segment(self._plan(g, backend), args, stream)
             if brk is None or stream.error is not None:
                 break
             attrs = g.node(brk).attrs
@@ -248,21 +249,19 @@ class CompiledProgram:
     def plan_for(self, target: Target, **concrete) -> Plan:
         """The executor's plan for the first segment on `target` (what `lmc compile --emit plan` prints)."""
         g = self.graph(**concrete)
-        return self._make_plan(g, self._optimize(g, target))
+        return self._make_plan(g, target)
 
     def _plan(self, g: ProgramGraph, backend) -> Plan:
         """The executor's plan for one segment on one backend: what the passes decided, for that target."""
         held = g.plans.get(id(backend))
         if held is not None and held[0] is backend:
             return held[1]
-        plan = self._make_plan(g, self._optimize(g, _target(backend)))
+        plan = self._make_plan(g, _target(backend))
         g.plans[id(backend)] = (backend, plan)  # lives as long as the segment does
         return plan
 
-    def _make_plan(self, g: ProgramGraph, stats: dict[str, dict]) -> Plan:
-        decided = {k: v for st in stats.values() for k, v in st.get("plan", {}).items()}
-        plan = Plan(decided.get("commits", {}), decided.get("fork_batch", False), decided.get("select_tokens", {}),
-                    batch_prefix=decided.get("batch_prefix", False))
+    def _make_plan(self, g: ProgramGraph, target: Target) -> Plan:
+        plan = lower(g, target, self._optimize(g, target), self.program.num_api_spec_tokens)
         for name, program in g.callees.items():  # nested programs compile with the caller's options
             with self._lock:
                 if program not in self._callees:

@@ -13,6 +13,9 @@ def apply_transforms(value: Any, transforms) -> Any:
     return value
 
 
+TESTS = ("==", "contains", "startswith", "endswith", "nonempty")
+
+
 def holds(value: Any, op: str, expected) -> bool:
     """A branch test: `op` is `[transform|...]test`, test one of ==, contains, startswith, endswith, nonempty."""
     *transforms, test = op.split("|")

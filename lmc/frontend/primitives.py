@@ -69,7 +69,6 @@ class Select(Expr):
     choices: list[str]
     temperature: float = 0.0
     choices_method: Callable | None = None
-    token_ids: list[int] | None = None  # set by the compiler's select lowering: each choice's single token id
 
 
 @dataclass(eq=False)
@@ -91,7 +90,12 @@ class Unordered(Expr):
     segments: list[str]
 
     def render(self) -> str:
-        return "".join(sorted(self.segments))
+        return render_unordered(self.segments)
+
+
+def render_unordered(segments: list[str]) -> str:
+    """Order-free segments in their one canonical order (interpreted and compiled alike)."""
+    return "".join(sorted(segments))
 
 
 def unordered(*segments: str) -> Unordered:

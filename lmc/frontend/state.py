@@ -48,21 +48,6 @@ class VarScopeEnd(Expr):
         self.name = name
 
 
-class VarRead(Expr):
-    """Append the current value of a variable (what a traced `s["x"]` inside text becomes), with the argument-free
-    str methods the program applied to it."""
-
-    def __init__(self, name: str, transforms: tuple[str, ...] = ()):
-        self.name, self.transforms = name, transforms
-
-
-class SetVar(Expr):
-    """Set a variable in order with the stream's other work (what a traced `s["x"] = value` becomes)."""
-
-    def __init__(self, name: str, value):
-        self.name, self.value = name, value
-
-
 class Commit(Expr):
     """Hint: prefill the stream's text now (before a fork), so branches share one cached prefix."""
 
@@ -91,7 +76,6 @@ class Stream:
         # Compiled execution only: body operation -> variable -> (value, meta) produced by it, shared by a
         # stream and its forks (what a resumed trace replays, lmc.compiler.trace). None: not recorded.
         self.history: dict[int, dict[str, tuple]] | None = None
-        self._op: int | None = None  # the body operation of the expression executing now
         self._cond = threading.Condition()
         self._queued = 0  # submitted, not yet executed
         self._pending = Counter()  # variable -> producers queued
@@ -153,7 +137,6 @@ class Stream:
             e = self._items.popleft()
             try:
                 if self.error is None:
-                    self._op = getattr(e, "op", None)
                     await self._execute(e)
             except Exception as exc:  # the stream stops executing; readers of its variables get this error
                 self.error = exc
@@ -170,91 +153,131 @@ class Stream:
                     fut.set_result(self)
         self._draining = False
 
-    def _append(self, text: str) -> None:
-        with self._cond:
-            self.text += text
-            self._version += 1
-            self._cond.notify_all()
-
     async def _execute(self, e: Expr) -> None:
-        tmpl = self.backend.chat_template
         if isinstance(e, Text):
-            self._append(e.value)
+            self.append(e.value)
         elif isinstance(e, RoleBegin):
-            if self.role is not None:
-                raise ValueError(f"role {e.role!r} begins inside role {self.role!r}: roles cannot nest")
-            if e.role != "system" and not self.messages and tmpl.default_system and not self.text:
-                self._append(tmpl.default_system)  # what the model's template inserts without a system turn
-            self._append(tmpl.prefix[e.role])
-            self.role, self.role_begin = e.role, len(self.text)
+            self.begin_role(e.role)
         elif isinstance(e, RoleEnd):
-            if self.role != e.role:
-                raise ValueError(f"role end {e.role!r} does not match the open role {self.role!r}")
-            content = self.text[self.role_begin:].lstrip()
-            self._append(tmpl.suffix[e.role])
-            self.messages.append({"role": e.role, "content": content})
-            self.role = None
+            self.end_role(e.role)
         elif isinstance(e, Gen):
-            await self._gen(e)
+            await self.generate(e.name, e.params)
         elif isinstance(e, Select):
-            method = e.choices_method or token_length_normalized
-            decision = None
-            if e.token_ids is not None and capabilities(self.backend).token_id_selects:
-                decision = await self.backend.select_tokens(self.text, e.choices, e.token_ids, method)
-            if decision is None:
-                decision = await self.backend.select(self.text, e.choices, e.temperature, method)
-            self._append(decision.decision)
-            self._set(e.name, decision.decision, decision.meta_info)
+            await self.score(e.name, e.choices, e.temperature, e.choices_method)
         elif isinstance(e, Image):
             if not capabilities(self.backend).images:
                 raise ValueError(f"image(): the backend {self.backend!r} serves a text-only model; images need a "
                                  "vision-capable API backend")
             self.images.append(e)
         elif isinstance(e, VarScopeBegin):
-            self.scopes[e.name] = len(self.text)
+            self.scope_begin(e.name)
         elif isinstance(e, VarScopeEnd):
-            self._set(e.name, self.text[self.scopes.pop(e.name):], None)
+            self.scope_end(e.name)
         elif isinstance(e, Unordered):
-            self._append(e.render())
-        elif isinstance(e, VarRead):
-            value = self.vars[e.name]
-            for t in e.transforms:
-                value = getattr(str, t)(value) if isinstance(value, str) else value
-            self._append(str(value))
-        elif isinstance(e, SetVar):
-            self.vars[e.name] = e.value
-            self.record(self._op, {e.name: (e.value, None)})
+            self.append(e.render())
         elif isinstance(e, Commit):
             await self.backend.commit(self.text)
         elif isinstance(e, ConcatAppend):
-            for child in e.children:
-                if child.error is not None:
-                    raise child.error
-                self._append(child.text[child.fork_start:])
+            self.concat(e.children)
         else:
             raise TypeError(f"unknown expression {e!r}")
 
-    async def _gen(self, e: Gen) -> None:
-        params = e.params.merged_over(self.defaults)
+    # ---- the primitives (the interpreter's expressions and the compiled plan's operations both run on these;
+    # on the loop thread). `op`: the body operation a produced value is recorded under (compiled runs) ----------
+    def append(self, text: str) -> None:
+        with self._cond:
+            self.text += text
+            self._version += 1
+            self._cond.notify_all()
+
+    def begin_role(self, role: str) -> None:
+        tmpl = self.backend.chat_template
+        if self.role is not None:
+            raise ValueError(f"role {role!r} begins inside role {self.role!r}: roles cannot nest")
+        if role != "system" and not self.messages and tmpl.default_system and not self.text:
+            self.append(tmpl.default_system)  # what the model's template inserts without a system turn
+        self.append(tmpl.prefix[role])
+        self.role, self.role_begin = role, len(self.text)
+
+    def end_role(self, role: str) -> None:
+        if self.role != role:
+            raise ValueError(f"role end {role!r} does not match the open role {self.role!r}")
+        content = self.text[self.role_begin:].lstrip()
+        self.append(self.backend.chat_template.suffix[role])
+        self.messages.append({"role": role, "content": content})
+        self.role = None
+
+    async def generate(self, name: str | None, params: GenParams, op: int | None = None,
+                       speculation=None) -> None:
+        """Continue the text with one gen into variable `name` (None: the text only). `speculation`: the
+        lmc.protocol.SpecStep a compiled plan gives it, for backends that run planned API speculation."""
+        params = params.merged_over(self.defaults)
         if self.role == "assistant" and self.backend.chat_template.stop_token_ids:
             params.stop_token_ids = list(params.stop_token_ids or ()) + list(self.backend.chat_template.stop_token_ids)
         if self.stream_tokens and (params.n or 1) == 1:
             out, meta = "", None
             async for delta, meta in self.backend.generate_stream(self.text, params, self.images):
                 out += delta
-                self._append(delta)
-                if e.name is not None:
-                    self.vars[e.name] = out
+                self.append(delta)
+                if name is not None:
+                    self.vars[name] = out
         else:
-            out, meta = await self.backend.generate(self.text, params, self.images)
-            self._append(out[0] if isinstance(out, list) else out)
-        self._set(e.name, _convert(out, params.dtype, e.name), meta)
+            planned = speculation is not None and capabilities(self.backend).planned_speculation
+            out, meta = await self.backend.generate(self.text, params, self.images,
+                                                    **({"speculation": speculation} if planned else {}))
+            self.append(out[0] if isinstance(out, list) else out)
+        self._set(name, _convert(out, params.dtype, name), meta, op)
 
-    def _set(self, name: str | None, value, meta) -> None:
+    async def score(self, name: str | None, choices: list[str], temperature: float, method=None,
+                    op: int | None = None, token_ids: list[int] | None = None, prefill: bool = False) -> None:
+        """Select one of `choices` into `name`. `token_ids`: each choice's single token after the text (scored in
+        one request where the backend can; else as below); `prefill`: prefill the text once before the choices
+        extend it (so that they do not each compute its uncached part)."""
+        method = method or token_length_normalized
+        decision = None
+        if token_ids is not None and capabilities(self.backend).token_id_selects:
+            decision = await self.backend.select_tokens(self.text, choices, token_ids, method)
+        if decision is None:
+            if prefill and len(choices) > 1:
+                await self.backend.commit(self.text)
+            decision = await self.backend.select(self.text, choices, temperature, method)
+        self.append(decision.decision)
+        self._set(name, decision.decision, decision.meta_info, op)
+
+    def set_var(self, name: str, value, op: int | None = None) -> None:
+        self.vars[name] = value
+        self.record(op, {name: (value, None)})
+
+    def scope_begin(self, name: str) -> None:
+        self.scopes[name] = len(self.text)
+
+    def scope_end(self, name: str, op: int | None = None) -> None:
+        self._set(name, self.text[self.scopes.pop(name):], None, op)
+
+    def concat(self, children: list["Stream"]) -> None:
+        """concate_and_append: the branches' own text, in order (a failed branch fails this stream)."""
+        for child in children:
+            if child.error is not None:
+                raise child.error
+            self.append(child.text[child.fork_start:])
+
+    def gather(self, children: list["Stream"], op: int | None = None) -> None:
+        """gather_variable: each variable the branches defined (and this stream did not have) becomes the list
+        of their values; a branch's error becomes this stream's."""
+        inherited = set(self.vars)
+        for c in children:
+            if c.error is not None and self.error is None:
+                self.error = c.error
+        for k in dict.fromkeys(k for c in children for k in c.vars if k not in inherited):
+            self.vars[k] = [c.vars.get(k) for c in children]
+            self.meta[k] = [c.meta.get(k) for c in children]
+            self.record(op, {k: (self.vars[k], self.meta[k])})
+
+    def _set(self, name: str | None, value, meta, op: int | None = None) -> None:
         if name is not None:
             self.vars[name] = value
             self.meta[name] = meta
-            self.record(self._op, {name: (value, meta)})
+            self.record(op, {name: (value, meta)})
 
     def record(self, op: int | None, values: dict[str, tuple]) -> None:
         if self.history is not None and op is not None:
@@ -444,14 +467,7 @@ class ProgramStateGroup:
             st.sync()
         parent = self.parent._s
         if mode == "gather_variable":
-            inherited = set(parent.vars)
-            for st in self.states:
-                if st._s.error is not None:
-                    parent.error = parent.error or st._s.error
-            names = dict.fromkeys(k for st in self.states for k in st._s.vars if k not in inherited)
-            for k in names:
-                parent.vars[k] = [st._s.vars.get(k) for st in self.states]
-                parent.meta[k] = [st._s.meta.get(k) for st in self.states]
+            parent.gather([st._s for st in self.states])
         elif mode == "concate_and_append":
             parent.submit(ConcatAppend([st._s for st in self.states]))
         else:

@@ -19,11 +19,24 @@ class Capabilities:
     token_id_selects: `select_tokens` scores single-token choices by their ids in one request (select lowering).
     batch_prefix_sharing: it computes a prefix shared by queued requests once (a batch needs no prefix hint).
     server_plans: it runs a compiled plan server-side (none does yet).
+    planned_speculation: `generate` takes `speculation=SpecStep`, and runs API speculation as a plan says.
     """
     images: bool = False
     token_id_selects: bool = False
     batch_prefix_sharing: bool = False
     server_plans: bool = False
+    planned_speculation: bool = False
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """A gen's place in the API-speculation groups a compiled plan fixed (lmc.passes.api_speculation): the first
+    gen of group `group` makes one over-generated call (at least `tokens` tokens, no stop) and the others take
+    their values from its text, or run as normal calls where the model did not follow the template. `group`
+    None: a gen of a plan outside every group, a normal call."""
+    group: int | None = None
+    first: bool = False
+    tokens: int = 0
 
 
 NO_CAPABILITIES = Capabilities()
