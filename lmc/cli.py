@@ -551,20 +551,22 @@ def _compile(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     g = compiled.graph(**concrete)
-    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json", "plan") else None
+    tokenizer = _tokenizer(args.model) if args.emit in ("text", "json", "plan", "plan-text") else None
     template = ChatTemplate.from_tokenizer(tokenizer)
     if args.emit == "json":
         report = compiled.report(template=template, tokenizer=tokenizer, **concrete)
         print(json.dumps({"graph": graph_dict(g), "report": report}, indent=2, sort_keys=True, default=repr))
         return 0
-    if args.emit == "plan":  # what the executor runs the first segment with, on the local engine
+    if args.emit in ("plan", "plan-text"):  # the first segment lowered for --target: what the executor runs
+        from lmc.compiler.lower import format_plan
         from lmc.compiler.pipeline import Target
         from lmc.protocol import Capabilities
 
-        target = Target("local", template, tokenizer, Capabilities(token_id_selects=tokenizer is not None))
-        plan = compiled.plan_for(target, **concrete).as_dict()
-        print(json.dumps({"target": target.kind, "graph": graph_dict(g), "plan": plan}, indent=2, sort_keys=True,
-                         default=repr))
+        caps = Capabilities(token_id_selects=args.target == "local" and tokenizer is not None,
+                            planned_speculation=args.target == "openai")
+        plan = compiled.plan_for(Target(args.target, template, tokenizer, caps), **concrete)
+        print(json.dumps(plan.to_json(), indent=2, default=repr) if args.emit == "plan" else format_plan(plan),
+              end="\n" if args.emit == "plan" else "")
         return 0
     emit = {"text": print_graph, "dot": to_dot, "mermaid": to_mermaid}[args.emit]
     sys.stdout.write(emit(g))
@@ -691,8 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.set_defaults(fn=_serve)
     c = sub.add_parser("compile", help="trace a program and print its graph and the compiler's report")
     c.add_argument("program", nargs="?", help="prog.py or prog.py:name")
-    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json", "plan"], default="text",
-                   help="json: the graph and the report; plan: the graph and the executor's plan for the local engine")
+    c.add_argument("--emit", choices=["text", "dot", "mermaid", "json", "plan", "plan-text"], default="text",
+                   help="json: the graph and the report; plan: the plan of operations the executor runs for "
+                        "--target, as JSON (plan-text: as text)")
+    c.add_argument("--target", choices=["local", "endpoint", "openai"], default="local",
+                   help="the backend kind --emit plan lowers for")
     c.add_argument("--passes", action="store_true", help="list the passes (name, on/off by default, what it does)")
     c.add_argument("--disable", action="append", default=[], metavar="PASS", help="switch a pass off (repeatable)")
     c.add_argument("--enable", action="append", default=[], metavar="PASS",

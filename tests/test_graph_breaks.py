@@ -227,10 +227,11 @@ def test_lmc_compile_emits_the_executors_plan():
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    selects = {f"%{n['id']}" for n in doc["graph"]["nodes"] if n["kind"] == "select"}
-    assert doc["target"] == "local" and set(doc["plan"]["select_tokens"]) == selects  # one-token scores
-    forks = [f"%{n['id']}" for n in doc["graph"]["nodes"] if n["kind"] == "fork"]
-    assert list(doc["plan"]["commits"]) == forks and doc["plan"]["fork_batch"] is True
+    [fork] = [op for op in doc["ops"] if op["op"] == "fork"]
+    scores = [op for branch in fork["branches"] for op in branch if op["op"] == "score"]
+    assert doc["target"] == "local" and len(scores) == 3
+    assert all(len(op["token_ids"]) == len(op["choices"]) for op in scores)  # one-token scores
+    assert fork["commit"] and fork["batch"] is True
 
 
 @sgl.function
