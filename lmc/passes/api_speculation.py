@@ -3,13 +3,21 @@
 Completion-style endpoints: a run of gens separated only by constant text (no argument, no select, no role
 change, no fork) is one call: generate past the first gen and match the constant text in the output to cut the
 later values (SGLang's `num_api_spec_tokens`). Chat-style endpoints: the gens of one assistant turn are one call.
-This pass plans and reports; the API backend executes the plan.
+A gen that one call cannot serve (a constraint, a typed gen, logprobs, n > 1) ends a run. This pass plans; the
+lowering puts each group into the plan's generate ops (lmc.compiler.lower), and the OpenAI backend executes
+exactly those groups.
 """
 from __future__ import annotations
 
 from ..ir import ProgramGraph
 
 _FILL = ("text",)
+_UNSPECULABLE = ("regex", "json_schema", "dtype", "return_logprob")
+
+
+def speculable(params: dict) -> bool:
+    """Whether an over-generated call can serve this gen (its declared sampling options)."""
+    return not any(params.get(k) for k in _UNSPECULABLE) and (params.get("n") or 1) == 1
 
 
 def plan_speculation(g: ProgramGraph, chat: bool) -> list[list[int]]:
@@ -22,7 +30,7 @@ def plan_speculation(g: ProgramGraph, chat: bool) -> list[list[int]]:
             kind = g.node(nid).kind
             if kind == "role_begin":
                 in_assistant = g.node(nid).attrs["role"] == "assistant"
-            if kind == "gen" and (not chat or in_assistant):
+            if kind == "gen" and (not chat or in_assistant) and speculable(g.node(nid).attrs["params"]):
                 current.append(nid)
                 continue
             if kind in _FILL and (not chat or in_assistant):

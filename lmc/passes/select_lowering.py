@@ -5,8 +5,10 @@ The interpreter scores `select(choices)` with a request per choice (prompt + cho
 tokens before the prompt's end). When the graph shows constant text right before the select (typically the chat
 template's assistant header) and every choice tokenizes as exactly one token after that text, the choice ids are
 known at compile time and one forward of the prompt yields every score: the same logprob vectors, so the same
-decision, with one request instead of n and no per-choice recomputation of the prompt's tail. The executor still
-checks the tokenization of the real prompt at run time and falls back to the per-choice form where it differs.
+decision, with one request instead of n and no per-choice recomputation of the prompt's tail. The ids ride in the
+plan's score operation (lmc.compiler.lower); the backend still checks the tokenization of the real prompt at run
+time, and the score falls back to its general form (a prefill of the prompt, then each choice as an extension of
+it) where it differs.
 """
 from __future__ import annotations
 
