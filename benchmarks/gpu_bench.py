@@ -10,6 +10,7 @@ few-shot timings), with:
   tok/s and the share of the measured matrix rate;
 - the few-shot workload (128 programs, 1,200-token shared prefix) and a ShareGPT-like workload with no sharing
   (unrelated prompts and output lengths drawn from long-tailed distributions);
+- logits against transformers in bf16 and fp32 (gpu_check.check_logits);
 - the fused kernels' effect: a second lmc engine with them off (kernels/__init__.py's torch ops), decode timed
   alternately with the first, their logits compared, and a torch.profiler probe around Engine.generate for both.
 
@@ -34,7 +35,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_check import build, decode_speed, few_shot, lmc_logits, rel_err, sync, time_call  # noqa: E402
+from gpu_check import build, check_logits, decode_speed, few_shot, lmc_logits, rel_err, sync, time_call  # noqa: E402
 from record import finish, provenance, spread  # noqa: E402
 
 import lmc.runtime.kernels as kernels  # noqa: E402
@@ -340,8 +341,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, small sizes: checks the script")
     ap.add_argument("--shapes", default="llama-2-7b,llama-3-8b")
-    ap.add_argument("--cases", default="decode,prefill,few_shot,no_sharing,kernels",
-                    help="comma-separated subset of decode, prefill, few_shot, no_sharing, kernels")
+    ap.add_argument("--cases", default="logits,decode,prefill,few_shot,no_sharing,kernels",
+                    help="comma-separated subset of logits, decode, prefill, few_shot, no_sharing, kernels")
     ap.add_argument("--batches", default="1,8,32,64,256")
     ap.add_argument("--kv-tokens", type=int, default=81920)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
@@ -383,6 +384,7 @@ def main():
     for shape in shapes:
         long_prefill = pre8k if shape == "llama-3-8b" else None
         cases = [
+            ("logits", lambda hf, eng, cfg, bw, rate: check_logits(hf, eng, cfg.vocab_size, dev)),
             ("decode", lambda hf, eng, cfg, bw, rate: [
                 decode_speed(hf, eng, cfg, cfg.vocab_size, dev, args.repeat, b, dec[0], dec[1], bw) for b in batches]),
             ("prefill", lambda hf, eng, cfg, bw, rate: [
@@ -395,7 +397,7 @@ def main():
                 kv_tokens=24576 if dev.type == "cuda" else 4096, **ab)),
         ]
         if shape == "llama-3-8b":  # the 7B carries the workloads; the 8B its decode and the 8k prefill
-            cases = [c for c in cases if c[0] in ("decode", "prefill")]
+            cases = [c for c in cases if c[0] in ("logits", "decode", "prefill")]
         run_shape(shape, cases, res, save, args, dev, dtype, res["ceilings"])
     save()
     plot(res, os.path.splitext(args.out)[0] + ".png")
