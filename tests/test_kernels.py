@@ -141,3 +141,31 @@ def test_real_shapes_on_gpu(shape, tokens):
         reference.rope_qk(qkv, cos_t[pos], sin_t[pos], hq, hkv, hd)
     for a, b in zip(got, want):
         assert_within_ulps(a, b, dt)
+    k_cache, v_cache = (torch.zeros(tokens + 7, hkv, hd, dtype=dt, device=dev) for _ in range(2))
+    slots = torch.randperm(tokens + 7, device=dev)[:tokens]
+    q = kernels.rope_q_write_kv(qkv, cos_t[pos], sin_t[pos], hq, hkv, hd, k_cache, v_cache, slots)
+    assert torch.equal(q, got[0]) and torch.equal(k_cache[slots], got[1]) and torch.equal(v_cache[slots], got[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,dim", [(4, 2, 64), (3, 1, 96)])
+def test_rope_q_write_kv_writes_only_the_new_slots(dtype, hq, hkv, dim):
+    dev = kernel_device(ops._rope_qk_kernel)
+    tokens, num_slots = 9, 40
+    qkv = rand(tokens, (hq + 2 * hkv) * dim, dtype=dtype, dev=dev, seed=8)
+    cos_t, sin_t = rope_tables(256, dim, dtype, dev)
+    g = torch.Generator().manual_seed(9)
+    pos = torch.randint(0, 256, (tokens,), generator=g).to(dev)
+    slots = (torch.randperm(num_slots - 1, generator=g)[:tokens] + 1).to(dev)
+    k_cache = torch.full((num_slots, hkv, dim), float("nan"), dtype=dtype, device=dev)
+    v_cache = k_cache.clone()
+    q = ops.rope_q_write_kv(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim, k_cache, v_cache, slots)
+    rq, rk, rv = reference.rope_qk(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim)
+    assert_within_ulps(q, rq, dtype)
+    assert_within_ulps(k_cache[slots], rk, dtype)
+    assert torch.equal(v_cache[slots], rv)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=dev)
+    untouched[slots] = False
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+    with pytest.raises(ValueError, match="caches must be"):
+        ops.rope_q_write_kv(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim, k_cache[:, :, :-1], v_cache, slots)

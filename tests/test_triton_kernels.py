@@ -63,7 +63,8 @@ def reference(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, sm_
 def assert_close(out, ref, dtype):
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    # fp32: exact-ish under the interpreter; compiled on a GPU the kernels' dots run in TF32 (10-bit mantissa)
+    tol = (5e-3 if out.is_cuda else 1e-5) if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 

@@ -1,5 +1,6 @@
 """Fused elementwise kernels of the decoder layer: RMSNorm with the residual add, SiLU-mul, rotary embedding of q
-and k in one pass over the QKV projection's output.
+and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
+pass, rope_q_write_kv).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors and the torch
 reference (reference.py) otherwise, so the CPU forward's numerics, and torch.compile's view of it, are the plain
@@ -15,6 +16,12 @@ from . import reference
 
 def _fused(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def fuses_kv_write(x: torch.Tensor) -> bool:
+    """Whether rope_q_write_kv runs as one kernel for x (else the caller keeps RoPE and the KV write apart, as
+    the CPU forward does so that the write stays outside torch.compile's graphs)."""
+    return _fused(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,3 +61,15 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
 
         return triton_ops.rope_qk(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
     return reference.rope_qk(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
+
+
+@torch.compiler.disable  # in-place writes into the cache: kept out of graphs (as llama.attend is)
+def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rope_qk, with the rotated k and v written straight into one layer's KV cache at `slots` ([T] int64) instead
+    of being returned: returns q. One kernel on CUDA; the torch reference (rope, then two index writes) else."""
+    if _fused(qkv):
+        from . import triton_ops
+
+        return triton_ops.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    return reference.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)

@@ -37,3 +37,11 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
     q = apply_rope(q.view(-1, num_q_heads, head_dim), cos, sin)
     k = apply_rope(k.view(-1, num_kv_heads, head_dim), cos, sin)
     return q, k, v.view(-1, num_kv_heads, head_dim)
+
+
+def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    q, k, v = rope_qk(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    k_cache[slots] = k
+    v_cache[slots] = v
+    return q

@@ -120,9 +120,11 @@ def _rope_heads(src_ptr, dst_ptr, c_lo, c_hi, s_lo, s_hi, heads, HALF: tl.conste
 
 
 @triton.jit
-def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_cs, HQ, HKV,
+def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, stride_qkv, stride_cs, HQ, HKV,
                     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BF16: tl.constexpr):
+                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr, WRITE_KV: tl.constexpr):
+    """One token: q rotated into q_ptr's row t; k rotated into k_ptr's row t, or with WRITE_KV into the KV
+    cache's slot slots[t] (k_ptr, v_ptr: one layer's [num_slots, HKV, D] buffers), v copied there too."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     dm = d < HALF
@@ -133,11 +135,19 @@ def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_qkv, stride_
     s_hi = tl.load(sin_ptr + cs + HALF + d, mask=dm, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     _rope_heads(row, q_ptr + t * HQ * D, c_lo, c_hi, s_lo, s_hi, HQ, HALF, D, BLOCK_HQ, BLOCK_HALF, BF16)
-    _rope_heads(row + HQ * D, k_ptr + t * HKV * D, c_lo, c_hi, s_lo, s_hi, HKV, HALF, D, BLOCK_HKV, BLOCK_HALF, BF16)
+    if WRITE_KV:
+        dst = tl.load(slots_ptr + t).to(tl.int64) * HKV * D
+        _rope_heads(row + HQ * D, k_ptr + dst, c_lo, c_hi, s_lo, s_hi, HKV, HALF, D, BLOCK_HKV, BLOCK_HALF, BF16)
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        e = tl.arange(0, BLOCK_D)[None, :]
+        vm = (h < HKV) & (e < D)
+        tl.store(v_ptr + dst + h * D + e, tl.load(row + (HQ + HKV) * D + h * D + e, mask=vm), mask=vm)
+    else:
+        _rope_heads(row + HQ * D, k_ptr + t * HKV * D, c_lo, c_hi, s_lo, s_hi, HKV, HALF, D, BLOCK_HKV, BLOCK_HALF,
+                    BF16)
 
 
-def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim):
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
@@ -145,15 +155,39 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
         raise ValueError(f"qkv must be [T, {width}] with unit stride in the last dim, got {tuple(qkv.shape)}")
     if cos.shape != (qkv.shape[0], head_dim) or cos.stride() != sin.stride() or cos.stride(1) != 1:
         raise ValueError("cos/sin must be [T, head_dim] with the same strides")
+
+
+def _rope_launch(qkv, cos, sin, q, k, v, slots, num_q_heads, num_kv_heads, head_dim, write_kv):
+    t = qkv.shape[0]
+    if t:
+        half = head_dim // 2
+        _rope_qk_kernel[(t,)](qkv, cos, sin, q, k, v, slots, qkv.stride(0), cos.stride(0), num_q_heads,
+                              num_kv_heads, D=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+                              BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+                              BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
+                              BF16=qkv.dtype == torch.bfloat16, WRITE_KV=write_kv, num_warps=4)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    if t:
-        half = head_dim // 2
-        _rope_qk_kernel[(t,)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), num_q_heads, num_kv_heads,
-                              D=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-                              BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-                              BLOCK_HALF=triton.next_power_of_2(half), BF16=qkv.dtype == torch.bfloat16,
-                              num_warps=4)
+    _rope_launch(qkv, cos, sin, q, k, k, cos, num_q_heads, num_kv_heads, head_dim, False)  # v, slots unused
     v = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
     return q, k, v
+
+
+def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    shape = (num_kv_heads, head_dim)
+    if k_cache.shape[1:] != shape or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous()
+                                                                           and v_cache.is_contiguous()):
+        raise ValueError(f"k/v caches must be contiguous [num_slots, {num_kv_heads}, {head_dim}]")
+    if slots.shape != (qkv.shape[0],) or k_cache.dtype != qkv.dtype:
+        raise ValueError("slots must be [T] and the caches of qkv's dtype")
+    q = torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_launch(qkv, cos, sin, q, k_cache, v_cache, slots, num_q_heads, num_kv_heads, head_dim, True)
+    return q
