@@ -5,6 +5,9 @@ most (reduction order, exp/rsqrt implementations), not by a re-association of bf
 Invariants: inputs are row-major with unit stride in the last dim; outputs are fresh contiguous tensors (except
 the residual stream `h`, also fresh). One program handles one token row (or one block of a row for SiLU-mul), so
 the launch grid scales with the token count and a decode step is one small launch per op.
+
+The launch wrappers are excluded from torch.compile (dynamo cannot trace their grid arithmetic over symbolic
+shapes): a compiled forward on the GPU calls them eagerly between its graphs, as it calls attention.
 """
 from __future__ import annotations
 
@@ -63,10 +66,12 @@ def _norm_launch(x, residual, weight, eps):
     return h.view(x.shape), out.view(x.shape)
 
 
+@torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm_launch(x, None, weight, eps)[1]
 
 
+@torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if residual.shape != x.shape:
@@ -86,6 +91,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, BLOCK: tl.constexpr, BF1
     tl.store(out_ptr + row * inter + cols, _round(s.to(tl.float32) * u.to(tl.float32), ty, BF16), mask=mask)
 
 
+@torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1 or gate_up.shape[-1] % 2:
         raise ValueError("silu_mul needs [..., 2I] with unit stride in the last dim")
@@ -168,6 +174,7 @@ def _rope_launch(qkv, cos, sin, q, k, v, slots, num_q_heads, num_kv_heads, head_
                               BF16=qkv.dtype == torch.bfloat16, WRITE_KV=write_kv, num_warps=4)
 
 
+@torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
             head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
@@ -179,6 +186,7 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
     return q, k, v
 
 
+@torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
 def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                     head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
