@@ -130,7 +130,8 @@ def time_call(fn, dev):
 
 
 @torch.inference_mode()
-def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new):
+def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new, bandwidth=COPY_BW):
+    """`bandwidth`: bytes/s the floor assumes (gpu_bench.py passes the copy bandwidth measured in its run)."""
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=g)
     ids = prompts.tolist()
@@ -155,7 +156,7 @@ def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new):
         hf_step.append((hf_gen(new + 1) - hf_gen(1)) / new)
     p = sum(x.numel() for x in hf.parameters()) - cfg.vocab_size * cfg.hidden_size  # all but the embedding
     kv_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    floor = (p * 2 + batch * (prompt_len + new // 2) * kv_tok) / COPY_BW
+    floor = (p * 2 + batch * (prompt_len + new // 2) * kv_tok) / bandwidth
     return {"batch": batch, "prompt_tokens": prompt_len, "generated": new,
             "lmc_ms_per_step": spread([t * 1e3 for t in lmc_step]), "hf_ms_per_step": spread([t * 1e3 for t in hf_step]),
             "floor_ms_per_step": floor * 1e3, "lmc_tok_s": spread([batch / t for t in lmc_step]),

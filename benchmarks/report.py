@@ -111,7 +111,7 @@ recorded with each run is printed with it.
 
 To regenerate: `make bench` re-runs the CPU benchmarks (`cpu_bench`, `frontend_overhead`, `compiler_bench`,
 `jump_forward_bench`, `speculation_bench`, `soak_bench`, with the sizes recorded below) and then this script; the H200 figures
-come from `benchmarks/gpu_check.py` on the GPU machine (its command is in its section). A single benchmark:
+come from `benchmarks/gpu_check.py` and `benchmarks/gpu_bench.py` on the GPU machine (each command is in its section). A single benchmark:
 run the command printed in its section, then `python benchmarks/report.py`.
 
 ![summary](results/summary.png)
@@ -211,6 +211,111 @@ def render_h200_fp32(r: dict, _dir: Path) -> str:
                       "\nTriton kernels: CI runs `tests/test_triton_kernels.py` in the interpreter at small shapes; "
                       "on a GPU the same file also runs real shapes (`test_real_shapes_on_gpu`). Its last GPU "
                       "run is `results/h200_kernel_tests.txt`."]) + "\n"
+
+
+def _target(v: float | None, got: float, at_most: bool = True, unit: str = "", digits: int = 2) -> str:
+    """Issue 13's target for a figure, and whether the median meets it."""
+    if v is None:
+        return "-"
+    ok = got <= v if at_most else got >= v
+    return f"{'<=' if at_most else '>='} {num(v, digits)}{unit} ({'met' if ok else 'not met'})"
+
+
+def _probe_rows(kern: dict) -> list[list[str]]:
+    rows = []
+    for kind, label in (("torch_ops", "torch ops (kernels off)"), ("fused", "fused kernels")):
+        for p in kern["probe"][kind]:
+            g = p["groups_ms_per_step"]
+            rows.append([f"{label}, batch {p['batch']}", num(p["gpu_ms_per_step"], 3), num(p["launches_per_step"], 0),
+                         num(g["GEMM"], 3), num(g["attention"], 3), num(g["our fused kernels"], 3),
+                         num(g["everything else"] + g["sampling and logits"], 3)])
+    return rows
+
+
+@section("gpu_bench.json")
+def render_gpu_bench(r: dict, _dir: Path) -> str:
+    c = r["ceilings"]
+    targets = r["targets"]
+    out = [f"## {r['device']}, issue 13's table: dummy llama-2-7b and llama-3-8b ({r['dtype'].removeprefix('torch.')}), "
+           "against the floor and transformers in the same run\n",
+           f"torch {r['torch']}, transformers {r['transformers']}. Ceilings measured in this run: copy "
+           f"{fig({k: (v / 1e12 if k != 'runs' else [x / 1e12 for x in v]) for k, v in c['copy_bytes_s'].items()}, 2, ' TB/s')} "
+           f"(bytes read + written), bf16 8192^3 matmul "
+           f"{fig({k: (v / 1e12 if k != 'runs' else [x / 1e12 for x in v]) for k, v in c['bf16_matmul_flop_s'].items()}, 0, ' TFLOP/s')}. "
+           "Decode floor: all weights but the embedding plus the KV read at the mean context, over the measured copy "
+           "bandwidth. Per-step time is (time for n+1 tokens - time for 1) / n, so prefill cancels out. "
+           "Plot: `results/gpu_bench.png`; log: `results/gpu_bench.log`.\n", command(r), "", "### Decode\n"]
+    rows = []
+    for shape, s in r["shapes"].items():
+        for d in s.get("decode", []):
+            t = targets["decode_over_floor"].get(f"{shape} batch {d['batch']}")
+            rows.append([shape, str(d["batch"]), str(d["prompt_tokens"]), fig(d["lmc_ms_per_step"]),
+                         num(d["floor_ms_per_step"]), fig(d["lmc_over_floor"], unit="x"),
+                         _target(t, d["lmc_over_floor"]["median"]), fig(d["hf_ms_per_step"]),
+                         fig(d["lmc_vs_hf"], unit="x")])
+    out.append(table(["shape", "batch", "prompt tokens", "lmc ms/step", "floor ms", "lmc / floor", "target",
+                      "transformers ms/step", "lmc vs transformers"], rows))
+    out.append("\n### Prefill and workloads\n")
+    rows = []
+    for shape, s in r["shapes"].items():
+        for p in s.get("prefill", []):
+            t = targets["prefill_share_of_matmul_rate"] if p["prompt_tokens"] == 2048 else None
+            rows.append([f"{shape} prefill, {p['prompts']} x {num(p['prompt_tokens'])} tokens (tok/s)",
+                         fig(p["lmc_tok_s"], 0) + "; " + pct(p["lmc_share_of_matmul_rate"]) + " of the matmul rate",
+                         fig(p["hf_tok_s"], 0) + f"; batches of {p['hf_batch']}", fig(p["lmc_vs_hf"], unit="x"),
+                         "-" if t is None else _target(t * 100, p["lmc_share_of_matmul_rate"]["median"] * 100, False,
+                                                       "% of the matmul rate", 0)])
+        if "few_shot" in s:
+            f = s["few_shot"]
+            rows.append([f"{shape} few-shot: {f['programs']} programs, {num(f['prefix_tokens'])}-token shared prefix, "
+                         f"{f['unique_tokens']} unique, {f['generated']} generated (programs/s)",
+                         fig(f["lmc_programs_s"], 1), fig(f["hf_programs_s"], 1) + f"; batches of {f['hf_batch']}",
+                         fig(f["lmc_vs_hf"], unit="x"),
+                         _target(targets["few_shot_programs_s"], f["lmc_programs_s"]["median"], False, " programs/s",
+                                 0)])
+        if "no_sharing" in s:
+            n = s["no_sharing"]
+            rows.append([f"{shape} ShareGPT-like, no sharing: {n['requests']} requests, {num(n['prompt_tokens'])} "
+                         f"prompt and {num(n['output_tokens'])} output tokens (output tok/s)",
+                         fig(n["lmc_output_tok_s"], 0), fig(n["hf_output_tok_s"], 0) +
+                         f"; left-padded batches of {n['hf_batch']}", fig(n["lmc_vs_hf"], unit="x"), "-"])
+    out.append(table(["workload", "lmc", "transformers", "lmc vs transformers", "target"], rows))
+    for shape, s in r["shapes"].items():
+        if "kernels" not in s:
+            continue
+        k = s["kernels"]
+        out.append(f"\n### The fused kernels ({shape})\n\nA second lmc engine on the same weights with "
+                   "`lmc/runtime/kernels` off (its torch ops: the forward before the kernels), decode timed "
+                   "alternately with the first:\n")
+        out.append(table(["batch", "fused ms/step", "torch ops ms/step", "speedup"],
+                         [[str(d["batch"]), fig(d["fused_ms_per_step"]), fig(d["torch_ops_ms_per_step"]),
+                           fig(d["speedup"], unit="x")] for d in k["decode"]]))
+        e = k["logits_fused_vs_torch_ops"]
+        out.append(f"\nLogits, fused against torch ops (relative error, max / mean): prefill {e['prefill']['max']:.3g} / "
+                   f"{e['prefill']['mean']:.3g}, decode {e['decode']['max']:.3g} / {e['decode']['mean']:.3g} (bf16; "
+                   "compare the dtype's own noise, transformers bf16 vs fp32, below).\n\n"
+                   f"torch.profiler around `Engine.generate`, {k['probe']['fused'][0]['steps']} decode steps "
+                   "(GPU kernel time per step in ms, from the difference of two runs; the profiler inflates wall "
+                   "time, so read the GPU columns):\n")
+        out.append(table(["forward", "GPU ms/step", "launches/step", "GEMMs", "attention", "fused kernels",
+                          "everything else"], _probe_rows(k)))
+    for shape, s in r["shapes"].items():
+        if "logits" in s:
+            out += [f"\n### Correctness ({shape})\n", _logits({"logits_rel_err": s["logits"]})]
+    return "\n".join(out) + "\n"
+
+
+@section("h200_pytest.json")
+def render_h200_pytest(r: dict, _dir: Path) -> str:
+    t = r["total"]
+    rows = [[f, str(c.get("passed", 0)), str(c.get("failed", 0)), str(c.get("error", 0)), str(c.get("skipped", 0))]
+            for f, c in r["files"].items()]
+    causes = table(["count", "first line of the failure or error"],
+                   [[str(c["count"]), c["message"].replace("|", "\\|")] for c in r["causes"][:8]])
+    return "\n".join([f"### The test suite on the {r['device']}\n", command(r), "", f"Note: {r['note']}", "",
+                       f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, {t.get('error', 0)} errors, "
+                       f"{t.get('skipped', 0)} skipped.\n", table(["file", "passed", "failed", "errors", "skipped"], rows),
+                       "\nMost frequent causes:\n", causes]) + "\n"
 
 
 @section("frontend_overhead.json")

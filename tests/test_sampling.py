@@ -101,3 +101,40 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     got = sample(logits.clone(), reqs, EOS)
     for i in (0, 2, 4):
         assert got[i].item() == logits[i].argmax().item()
+
+
+def reference_sample(row: torch.Tensor, r: Req) -> int:
+    """One request alone, the textbook way: softmax at its temperature, its top-k / top-p / min-p written out over
+    a Python sort, then the exponential race with its own seeded noise."""
+    p = r.params
+    if p.greedy:
+        return int(row.argmax())
+    probs = torch.softmax(row / max(p.temperature, 1e-5), dim=-1)
+    order = sorted(range(len(probs)), key=lambda t: -float(probs[t]))
+    keep, mass = set(), 0.0
+    for rank, t in enumerate(order):
+        pt = float(probs[t])
+        if (p.top_k > 0 and rank >= p.top_k) or mass > p.top_p or pt < p.min_p * float(probs[order[0]]):
+            mass += pt
+            continue
+        keep.add(t)
+        mass += pt
+    kept = torch.tensor([float(probs[t]) if t in keep else 0.0 for t in range(len(probs))])
+    noise = seeded_exponential([p.seed], [len(r.output_ids)], len(probs), torch.device("cpu"))[0]
+    return int((kept / noise).argmax())
+
+
+def test_a_mixed_batch_samples_what_each_request_samples_alone():
+    """Per-batch parameter tensors must keep every row's parameters on its own row."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, V, generator=g) * 2
+    reqs = [req([1, 2], temperature=0.7, top_k=5, seed=1), req([], temperature=0),
+            req([9], temperature=1.3, top_p=0.6, seed=2), req([], temperature=1.0, min_p=0.3, seed=3),
+            req([4, 4, 4], temperature=0.9, top_k=3, top_p=0.9, min_p=0.05, seed=4), req([], temperature=0.2, seed=5),
+            req([], temperature=0, top_k=2), req([3], temperature=2.0, seed=6)]
+    for trial in range(5):
+        rows = logits + trial  # softmax-invariant shift, new noise positions through output lengths below
+        for r in reqs:
+            r.output_ids.append(trial)
+        got = sample(rows.clone(), reqs, EOS).tolist()
+        assert got == [reference_sample(rows[i], r) for i, r in enumerate(reqs)]

@@ -1,8 +1,9 @@
 """Batched sampling: penalties, min-tokens, temperature, top-k / top-p / min-p, per-request seeds. Rows of
 constrained requests arrive already masked by their grammar (runner.py / grammar.py).
 
-Every stage is one set of tensor operations over the whole batch: the only per-request Python is reading each
-request's parameters into flat lists (O(batch) list building, no per-request tensor op).
+Every stage is one set of tensor operations over the whole batch. The per-request Python is reading each
+request's parameters once per batch into the flat host tensors of `SamplingBatch` (O(batch), no per-request tensor
+op), which reach the device in one copy (two with seeded requests).
 
 Sampling uses the exponential-race form of the Gumbel trick (argmax of p / E with E ~ Exp(1)), which is exact
 categorical sampling. Unseeded rows share one draw from torch's global generator. Seeded rows draw E from a
@@ -15,6 +16,7 @@ forced by a +100 bias still reports how likely the model found it.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -30,15 +32,23 @@ def _mix31(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_exponential(seeds: list[int], steps: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seeds), vocab] Exp(1) draws, a pure function of (seed, step, column): row i is the noise of a request
-    seeded `seeds[i]` sampling its `steps[i]`-th output token."""
-    key = [((s ^ (s >> 31)) & _M31) for s in seeds]  # fold any Python int seed into 31 bits
-    rows = _mix31((_mix31(torch.tensor(key, device=device)) + torch.tensor(steps, device=device)) & _M31)
-    cols = _mix31(torch.arange(vocab, device=device) + 0x2545F491)
+def _seed_key(seed: int) -> int:
+    return (seed ^ (seed >> 31)) & _M31  # fold any Python int seed into 31 bits
+
+
+def _exponential_from_keys(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    rows = _mix31((_mix31(keys) + steps) & _M31)
+    cols = _mix31(torch.arange(vocab, device=keys.device) + 0x2545F491)
     bits = _mix31(rows[:, None] ^ cols[None, :])
     u = (bits.to(torch.float64) + 0.5) / float(1 << 31)  # in (0, 1): E is finite and > 0
     return (-torch.log(u)).to(torch.float32)
+
+
+def seeded_exponential(seeds: list[int], steps: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seeds), vocab] Exp(1) draws, a pure function of (seed, step, column): row i is the noise of a request
+    seeded `seeds[i]` sampling its `steps[i]`-th output token."""
+    return _exponential_from_keys(torch.tensor([_seed_key(s) for s in seeds], device=device),
+                                  torch.tensor(steps, device=device), vocab)
 
 
 def _penalize(logits: torch.Tensor, reqs: list[Req]) -> None:
@@ -103,15 +113,49 @@ def _bias(logits: torch.Tensor, reqs: list[Req]) -> None:
                           torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
-def _filter(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+@dataclass
+class SamplingBatch:
+    """One batch's sampling parameters as device tensors, read from the requests in one pass and sent to the device
+    in one copy (`build`): the stages below are then tensor operations over the whole batch, with no per-request
+    Python. Row i is reqs[i]."""
+
+    temperature: torch.Tensor  # [B, 1] fp32, clamped to >= 1e-5
+    top_k: torch.Tensor  # [B, 1] fp64, vocab where unlimited
+    top_p: torch.Tensor  # [B, 1] fp32
+    min_p: torch.Tensor  # [B, 1] fp32
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    any_filter: bool  # some row has a top-k, top-p or min-p limit
+    # [3, S] of the S seeded requests that sample (not greedy): their rows, output positions and folded seeds;
+    # None if there are none
+    seeded: torch.Tensor | None
+
+    @classmethod
+    def build(cls, reqs: list[Req], vocab: int, device: torch.device) -> "SamplingBatch":
+        host = torch.tensor([[max(r.params.temperature, 1e-5), r.params.top_k if r.params.top_k > 0 else vocab,
+                              r.params.top_p, r.params.min_p, float(r.params.greedy)] for r in reqs],
+                            dtype=torch.float64)
+        seeded = [i for i, r in enumerate(reqs) if r.params.seed is not None and not r.params.greedy]
+        n_greedy = int(host[:, 4].sum())
+        any_filter = bool(((host[:, 1] < vocab) | (host[:, 2] < 1) | (host[:, 3] > 0)).any())
+        dev = host.to(device, non_blocking=True)
+        seeded_dev = None
+        if seeded:
+            seeded_dev = torch.tensor([seeded, [len(reqs[i].output_ids) for i in seeded],
+                                       [_seed_key(reqs[i].params.seed) for i in seeded]]).to(device, non_blocking=True)
+        return cls(temperature=dev[:, 0:1].float(), top_k=dev[:, 1:2], top_p=dev[:, 2:3].float(),
+                   min_p=dev[:, 3:4].float(), greedy=dev[:, 4] > 0, all_greedy=n_greedy == len(reqs),
+                   any_greedy=n_greedy > 0, any_filter=any_filter, seeded=seeded_dev)
+
+
+def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Zero the probabilities top-k, top-p and min-p drop, all rows at once (one sort of the batch)."""
-    dev, vocab = probs.device, probs.shape[1]
+    vocab = probs.shape[1]
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    limits = torch.tensor([[r.params.top_k if r.params.top_k > 0 else vocab, r.params.top_p, r.params.min_p]
-                           for r in reqs], dtype=torch.float64, device=dev)
-    top_k, top_p, min_p = limits[:, 0:1], limits[:, 1:2].to(probs.dtype), limits[:, 2:3].to(probs.dtype)
-    rank = torch.arange(vocab, device=dev)[None, :]
-    drop = (rank >= top_k) | (sorted_p.cumsum(-1) - sorted_p > top_p) | (sorted_p < min_p * sorted_p[:, :1])
+    top_p, min_p = sb.top_p.to(probs.dtype), sb.min_p.to(probs.dtype)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    drop = (rank >= sb.top_k) | (sorted_p.cumsum(-1) - sorted_p > top_p) | (sorted_p < min_p * sorted_p[:, :1])
     return torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
 
 
@@ -120,22 +164,18 @@ def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> t
     _penalize(logits, reqs)
     _ban_until_min_tokens(logits, reqs, eos_ids)
     _bias(logits, reqs)
-    greedy = [r.params.greedy for r in reqs]
-    if all(greedy):
+    sb = SamplingBatch.build(reqs, logits.shape[1], logits.device)
+    if sb.all_greedy:
         return logits.argmax(-1)
-    dev = logits.device
-    temp = torch.tensor([max(r.params.temperature, 1e-5) for r in reqs], device=dev)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)
-    if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs):
-        probs = _filter(probs, reqs)
+    probs = torch.softmax(logits / sb.temperature, dim=-1)
+    if sb.any_filter:
+        probs = _filter(probs, sb)
     noise = torch.empty_like(probs).exponential_()
-    seeded = [i for i, r in enumerate(reqs) if r.params.seed is not None and not greedy[i]]
-    if seeded:
-        noise[torch.tensor(seeded, device=dev)] = seeded_exponential(
-            [reqs[i].params.seed for i in seeded], [len(reqs[i].output_ids) for i in seeded], probs.shape[1], dev)
+    if sb.seeded is not None:
+        noise[sb.seeded[0]] = _exponential_from_keys(sb.seeded[2], sb.seeded[1], probs.shape[1])
     sampled = (probs / noise).argmax(-1)
-    if any(greedy):
-        sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+    if sb.any_greedy:
+        sampled = torch.where(sb.greedy, logits.argmax(-1), sampled)
     return sampled
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -56,13 +58,6 @@ def rope_cos_sin(hf_config, max_position: int, device, dtype) -> torch.Tensor:
     return torch.stack([emb.cos() * scale, emb.sin() * scale]).to(device=device, dtype=dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D] (rotate-half convention, as in transformers)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -70,10 +65,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual add fused into the norm that reads it."""
+        return kernels.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 @torch.compiler.disable
@@ -95,24 +91,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = apply_rope(q.view(-1, self.nq, self.hd), ctx.cos, ctx.sin)
-        k = apply_rope(k.view(-1, self.nkv, self.hd), ctx.cos, ctx.sin)
-        v = v.view(-1, self.nkv, self.hd)
-        o = attend(q, k, v, self.layer_id, ctx)
+        qkv = self.qkv_proj(x)
+        if kernels.fuses_kv_write(qkv):  # RoPE and the KV-cache write in one kernel
+            kv = ctx.kv_cache
+            q = kernels.rope_q_write_kv(qkv, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd, kv.k[self.layer_id],
+                                        kv.v[self.layer_id], ctx.out_slots)
+            o = ctx.attn.forward(q, self.layer_id, ctx)
+        else:
+            q, k, v = kernels.rope_qk(qkv, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd)
+            o = attend(q, k, v, self.layer_id, ctx)
         return self.o_proj(o.reshape(-1, self.nq * self.hd))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +121,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added to the residual stream (layer 0: the embeddings, with
+        `residual` None). Returns this layer's MLP output and the stream before it: each residual add happens
+        inside the norm that reads its result (the sums, and so the numerics, are transformers' own)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add(residual, h)
+        residual, x = self.post_attention_layernorm.add(residual, self.self_attn(x, ctx))
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,10 +150,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """Returns logits (fp32) for the token positions in `ctx.logits_index` only."""
         ctx.cos, ctx.sin = self.rope[0][ctx.positions], self.rope[1][ctx.positions]
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, ctx)
-        h = self.norm(h[ctx.logits_index])
+            h, residual = layer(h, residual, ctx)
+        _, h = self.norm.add(residual[ctx.logits_index], h[ctx.logits_index])  # the last add, at logit rows only
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 

@@ -1,0 +1,75 @@
+"""Fused elementwise kernels of the decoder layer: RMSNorm with the residual add, SiLU-mul, rotary embedding of q
+and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
+pass, rope_q_write_kv).
+
+Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors and the torch
+reference (reference.py) otherwise, so the CPU forward's numerics, and torch.compile's view of it, are the plain
+torch ops they always were. The Triton kernels round where the torch ops round (to the activation dtype after
+each op) so that GPU results stay within an ulp of the reference rather than merely within bf16 noise.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def fuses_kv_write(x: torch.Tensor) -> bool:
+    """Whether rope_q_write_kv runs as one kernel for x (else the caller keeps RoPE and the KV write apart, as
+    the CPU forward does so that the write stays outside torch.compile's graphs)."""
+    return _fused(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the normalisation in fp32 and the product in x's dtype (transformers' LlamaRMSNorm)."""
+    if _fused(x):
+        from . import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) for h = residual + x: the residual stream and the next sublayer's input, in one pass."""
+    if _fused(x):
+        from . import triton_ops
+
+        return triton_ops.add_rms_norm(residual, x, weight, eps)
+    return reference.add_rms_norm(residual, x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> [T, I] silu(gate) * up."""
+    if _fused(gate_up):
+        from . import triton_ops
+
+        return triton_ops.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+            head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the QKV projection's [T, (Hq + 2 Hkv) D] output into q [T, Hq, D], k, v [T, Hkv, D], with rotate-half
+    RoPE applied to q and k (cos/sin: [T, D], already gathered at the tokens' positions). v is a view of qkv."""
+    if _fused(qkv):
+        from . import triton_ops
+
+        return triton_ops.rope_qk(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    return reference.rope_qk(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim)
+
+
+@torch.compiler.disable  # in-place writes into the cache: kept out of graphs (as llama.attend is)
+def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rope_qk, with the rotated k and v written straight into one layer's KV cache at `slots` ([T] int64) instead
+    of being returned: returns q. One kernel on CUDA; the torch reference (rope, then two index writes) else."""
+    if _fused(qkv):
+        from . import triton_ops
+
+        return triton_ops.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    return reference.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
