@@ -111,9 +111,30 @@ def test_more_ranks_than_gpus_is_refused():
         rank_devices(torch.device("cuda"), have + 1)
 
 
+@pytest.mark.slow
+def test_tp4_replicates_kv_heads_and_matches_tp1(tp1_and_tp2):
+    """4 ranks over 3 KV heads: KV head 0 is on ranks 0 and 1, which split its 3 query heads 2 + 1."""
+    eng = Engine(MODEL, tensor_parallel_size=4, **KW)
+    try:
+        four = eng.generate(PROMPTS, GREEDY)
+    finally:
+        eng.shutdown()
+    assert [r["output_ids"] for r in four] == [r["output_ids"] for r in tp1_and_tp2[1][0]]
+    assert not _children()
+
+
 def test_dead_worker_fails_pending_requests_and_leaves_no_process():
+    """Also: dummy weights drawn sharded are the unsharded model's (the same greedy tokens and logprobs)."""
+    ids = [[1, 5, 7, 9, 11, 300], [2, 3, 4]]
+    with Engine("dummy:tiny", **KW) as one:
+        ref = one.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
     eng = Engine("dummy:tiny", tensor_parallel_size=2, **KW)
     try:
+        got = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+        for a, b in zip(ref, got):
+            assert a["output_ids"] == b["output_ids"]
+            lp = [[t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (a, b)]
+            assert lp[0] == pytest.approx(lp[1], rel=1e-5)
         (worker,) = eng.runner.tp.workers
         futs = [eng.submit(input_ids=[1, 2, 3 + i], sampling_params={"max_new_tokens": 1000, "ignore_eos": True})
                 for i in range(3)]
