@@ -4,8 +4,8 @@ reason; a worker that dies fails every pending request and leaves no process beh
 import os
 import signal
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -36,10 +36,19 @@ class LogitsRecorder:
         runner.forward = recording
 
 
-def _children() -> list[psutil.Process]:
-    """This process's children, but multiprocessing's resource tracker (one per process, started with the first
-    spawned process and shared by all; it exits with this process)."""
-    return [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+def _children() -> list[int]:
+    """Pids of this process's live children (from /proc), but multiprocessing's resource tracker (one per
+    process, started with the first spawned process and shared by all; it exits with this process)."""
+    me, out = str(os.getpid()), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # exited meanwhile
+            continue
+        if fields[1] == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            out.append(int(stat.parent.name))
+    return out
 
 
 @pytest.fixture(scope="module")
