@@ -48,6 +48,7 @@ def engine(model: str, tp: int, args, **kw):
     from lmc.runtime import Engine
 
     return Engine(model, device=args.device, tensor_parallel_size=tp, max_total_tokens=args.kv_tokens,
+                  cuda_graph_max_bs=args.cuda_graph_max_bs,
                   max_running_requests=max(args.batches) + 2, **kw)  # the whole largest batch in one prefill
 
 
@@ -356,6 +357,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV pool per engine (default: 65536 on CUDA)")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                    help="0: no CUDA graphs (NCCL collectives captured in graphs are untested on this code)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "tp_h200.json"))
     args = ap.parse_args(argv)
@@ -365,7 +368,8 @@ def main(argv=None) -> dict:
     args.kv_tokens = args.kv_tokens or (65536 if args.device == "cuda" else 4096)
     args.dtype_name = "bfloat16" if args.device == "cuda" else "float32"
     parts = set(args.parts.split(","))
-    prov = provenance("benchmarks/tp_bench.py", note="NCCL_NVLS_ENABLE=0; systems alternate within each run")
+    prov = provenance("benchmarks/tp_bench.py", note="NCCL_NVLS_ENABLE=0; systems alternate within each run; "
+                      f"cuda_graph_max_bs={args.cuda_graph_max_bs}")
     result = {"_meta": {**prov, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         "gpus": torch.cuda.device_count(), "torch": torch.__version__,
                         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None}}
