@@ -501,15 +501,19 @@ def _serve_replicas(args) -> int:
 
 def _serve(args) -> int:
     if args.dp is not None:
+        if args.tp > 1:
+            raise UsageError("--dp and --tp cannot be combined yet: each replica would need its own GPUs")
         return _serve_replicas(args)
     try:
         from lmc.server import serve
     except ImportError as e:
         raise UsageError(f"lmc serve needs the server extra (pip install 'lmc[server]'): {e}") from None
     from lmc.runtime import UnknownModelError
+    from lmc.runtime.distributed import TensorParallelError
 
     kwargs = {"device": args.device, "dtype": args.dtype, "schedule_policy": args.schedule_policy,
-              "disable_radix_cache": args.disable_radix_cache, "max_running_requests": args.max_running_requests}
+              "disable_radix_cache": args.disable_radix_cache, "max_running_requests": args.max_running_requests,
+              "tensor_parallel_size": args.tp}
     if args.max_total_tokens is not None:
         kwargs["max_total_tokens"] = args.max_total_tokens
     if args.context_length is not None:
@@ -521,7 +525,7 @@ def _serve(args) -> int:
               max_body_bytes=args.max_body_bytes, max_top_logprobs=args.max_top_logprobs,
               grammar_cache_size=args.grammar_cache_size, grammar_compile_timeout=args.grammar_compile_timeout,
               **kwargs)
-    except UnknownModelError as e:
+    except (UnknownModelError, TensorParallelError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e}") from None
@@ -681,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-pending", type=int, default=4096,
                     help="requests in flight beyond which the server answers 503")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                    help="tensor parallelism: shard the model over N ranks (GPUs cuda:0..N-1, or CPU processes)")
     sv.add_argument("--dp", type=int, default=None, metavar="N",
                     help="N replicas behind SGLang's gateway on --port (needs the scale extra); each replica is "
                          "pinned to its share of the cores, or one GPU each")

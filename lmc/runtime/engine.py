@@ -60,7 +60,8 @@ class Engine:
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
-                 max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False):
+                 max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False,
+                 tensor_parallel_size: int = 1):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
@@ -70,6 +71,8 @@ class Engine:
         requests only; see scheduler.py). Off, every token is sampled: the comparison baseline.
         `enable_torch_compile`: compile the model forward with torch.compile at start-up, cached on disk under
         the lmc cache dir (runtime/compiled.py); eager, with a warning, where compilation fails.
+        `tensor_parallel_size`: shard the model over this many ranks (runtime/distributed): this process is rank 0
+        and runs the scheduler, one worker process per other rank (GPUs cuda:0.., or all on the CPU).
         `check_invariants`: check slot accounting after every step, and that every jump leaves the output ids
         the tokenizer's canonical encoding of the output text (tests)."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -86,11 +89,10 @@ class Engine:
         ctx = min(context_length or hf.max_position_embeddings, hf.max_position_embeddings)
         if max_total_tokens is None:
             max_total_tokens = _CPU_DEFAULT_TOKENS if dev.type == "cpu" else None
-        self.runner = ModelRunner(
-            hf, weights or src.weights, device=dev, dtype=dt, attention=attention_backend,
-            max_total_tokens=max_total_tokens or 0, max_running=max_running_requests, context_length=ctx,
-            seed=seed, mem_fraction=mem_fraction_static, cuda_graph_max_bs=cuda_graph_max_bs,
-            enable_torch_compile=enable_torch_compile)
+        self.runner = _make_runner(src, weights, dev, tensor_parallel_size, dict(
+            dtype=dt, attention=attention_backend, max_total_tokens=max_total_tokens or 0,
+            max_running=max_running_requests, context_length=ctx, seed=seed, mem_fraction=mem_fraction_static,
+            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile))
         self.context_length = ctx
         self.device = dev
         self.vocab_size = self.runner.cfg.vocab_size
@@ -120,6 +122,8 @@ class Engine:
                      input_ids: Sequence[int] | None = None, **logprob_opts) -> Req:
         """Validate and tokenize in the caller's thread; raises RequestError naming the problem."""
         self._check_open()
+        if self.runner.failure is not None:  # a tensor-parallel worker died: no forward can run
+            raise EngineError(f"the engine cannot run requests: {self.runner.failure}; restart it")
         limits = dict(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params.validate(**limits)
@@ -456,6 +460,18 @@ class Engine:
             self.scheduler.reset()
         except Exception as e:  # the device is gone; the queues are empty, later requests fail in their steps
             log.error("rebuilding the KV memory failed", exc_info=e)
+
+
+def _make_runner(src, weights, device: torch.device, tensor_parallel_size: int, kwargs: dict) -> ModelRunner:
+    """The whole model in this process, or rank 0 of `tensor_parallel_size` ranks (runtime/distributed)."""
+    if tensor_parallel_size == 1:
+        return ModelRunner(src.hf_config, weights or src.weights, device=device, **kwargs)
+    if weights is not None:
+        raise ValueError("weights= cannot be combined with tensor_parallel_size > 1: every rank reads its own "
+                         "slices of the model's files")
+    from .distributed import start_runner
+
+    return start_runner(src, tensor_parallel_size, device=device, **kwargs)
 
 
 def _token_ids(ids) -> list[int]:

@@ -28,6 +28,23 @@ class ScheduledBatch:
 
 
 @dataclass
+class FlatBatch:
+    """One forward's inputs, flat over the batch's T tokens and B requests: everything a tensor-parallel rank needs
+    to run the same forward (distributed/workers.py broadcasts it), besides the batch's rows of the slot table."""
+
+    is_decode: bool
+    ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    out_slots: torch.Tensor  # CPU int64 [T]
+    rows: list[int]  # [B]
+    prefix_lens: list[int]  # [B]
+    extend_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B]
+    starts: list[int]  # [B] offset of each request's first token in the flat order
+    logit_pos: list[int]  # [K] flat positions whose logits are returned
+
+
+@dataclass
 class StepOutput:
     next_ids: list[int | None] = field(default_factory=list)
     # per request: (logprob, top) of the sampled token, and [(position, logprob, top)] for prompt tokens
@@ -46,21 +63,17 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
 class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
-                 mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False):
+                 mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False,
+                 tp=None):
         """`enable_torch_compile`: run forwards that are not CUDA-graph replays through torch.compile (compiled.py),
-        compiling at construction (a warm-up forward per shape class) so no request waits for it."""
-        from .model.loader import fill_dummy
-
+        compiling at construction (a warm-up forward per shape class) so no request waits for it.
+        `tp`: this rank's distributed.workers.RankShard under tensor parallelism (None: the whole model here);
+        `weights` then yields safetensors slices, of which only this rank's pieces are read."""
         self.cfg = ModelConfig.from_hf(hf_config)
         self.device, self.dtype = device, dtype
         self.context_length = context_length
-        with torch.device(device):
-            model = LlamaForCausalLM(self.cfg)
-        model.to(dtype)
-        if weights is None:
-            fill_dummy(model, seed)
-        else:
-            model.load_weights(weights())
+        self.tp = tp
+        model = self._build_model(weights, seed)
         self.model = model.eval()
         self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)
@@ -68,10 +81,13 @@ class ModelRunner:
         if not max_total_tokens:  # size the pool from what the device has left (GPU only)
             free, total = torch.cuda.mem_get_info(device)
             budget = free - (1 - mem_fraction) * total
-            max_total_tokens = int(budget // KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype))
+            kv_heads = model.cfg.num_kv_heads  # this rank's, under tensor parallelism
+            max_total_tokens = int(budget // KVCache.bytes_per_token(c.num_layers, kv_heads, c.head_dim, dtype))
+            if tp is not None:
+                max_total_tokens = tp.agree_min(max_total_tokens)  # one slot allocator serves every rank
             if max_total_tokens < context_length:
                 raise RuntimeError(f"only {max_total_tokens} KV tokens fit on {device}; lower the context length")
-        self.kv = KVCache(c.num_layers, max_total_tokens, c.num_kv_heads, c.head_dim, dtype, device)
+        self.kv = KVCache(c.num_layers, max_total_tokens, model.cfg.num_kv_heads, c.head_dim, dtype, device)
         # One row more than can ever run: the last row stays all-zero (dummy slot 0) for CUDA-graph padding.
         self.req_pool = ReqToTokenPool(max_running + 2, context_length, device)
         self.dummy_row = self.req_pool.alloc()
@@ -87,6 +103,28 @@ class ModelRunner:
             from .cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
+
+    def _build_model(self, weights, seed: int) -> LlamaForCausalLM:
+        """The model (this rank's shard under tensor parallelism) with its weights, built on the meta device and
+        then materialized in the runner's dtype: a 70B shard would not fit on the device in fp32 first."""
+        from .model.loader import fill_dummy
+
+        tp = self.tp
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.cfg if tp is None else tp.local_config(self.cfg))
+        model = model.to(self.dtype).to_empty(device=self.device)
+        if tp is not None:
+            tp.shard(model, self.cfg.vocab_size)
+        if weights is None:
+            fill_dummy(model, seed) if tp is None else tp.fill_dummy(model, self.cfg, seed)
+        else:
+            model.load_weights(weights(), select=None if tp is None else tp.selector(self.cfg.head_dim).select)
+        return model
+
+    @property
+    def failure(self) -> str | None:
+        """Why this runner can run no more forwards (a failed tensor-parallel group), or None."""
+        return None if self.tp is None else self.tp.failure
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -114,7 +152,10 @@ class ModelRunner:
         self.allocator = SlotAllocator(self.allocator.num_slots)
 
     def close(self) -> None:
-        """Drop the CUDA graphs, KV buffers, slot table and weights (Engine.shutdown); unusable afterwards."""
+        """Drop the CUDA graphs, KV buffers, slot table and weights (Engine.shutdown), and stop the
+        tensor-parallel workers; unusable afterwards."""
+        if self.tp is not None:
+            self.tp.close()
         self.graphs = self.kv = self.req_pool = self.model = None
 
     def run(self, sb: ScheduledBatch) -> StepOutput:
@@ -143,19 +184,29 @@ class ModelRunner:
             if smp:
                 logit_pos.append(start + ext - 1)
         seq_lens = [p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)]
-        rows = [r.row for r in reqs]
-        if sb.is_decode and self.graphs is not None and len(reqs) <= self.graphs.max_bs:
-            return self.graphs.replay(ids, positions, sb.out_slots, rows, seq_lens), prompt_rows
-        to = dict(device=dev, non_blocking=True)
+        flat = FlatBatch(sb.is_decode, ids, positions, sb.out_slots, [r.row for r in reqs], list(sb.prefix_lens),
+                         list(sb.extend_lens), seq_lens, starts, logit_pos)
+        if self.tp is not None:  # the workers run the same forward on their shards
+            return self.tp.run_step(flat, self.req_pool.table, self._execute), prompt_rows
+        return self._execute(flat), prompt_rows
+
+    @torch.inference_mode()
+    def _execute(self, flat: FlatBatch) -> torch.Tensor:
+        """The forward of one flat batch (a CUDA-graph replay for a decode that fits one): fp32 logits of its
+        `logit_pos` positions."""
+        if flat.is_decode and self.graphs is not None and len(flat.rows) <= self.graphs.max_bs:
+            return self.graphs.replay(flat.ids, flat.positions, flat.out_slots, flat.rows, flat.seq_lens)
+        to = dict(device=self.device, non_blocking=True)
         batch = ForwardBatch(
-            is_decode=sb.is_decode, rows=torch.tensor(rows).to(**to),
-            prefix_lens=torch.tensor(sb.prefix_lens).to(**to), extend_lens=torch.tensor(sb.extend_lens).to(**to),
-            seq_lens=torch.tensor(seq_lens).to(**to), extend_start=torch.tensor(starts).to(**to),
-            max_extend_len=max(sb.extend_lens), max_seq_len=max(seq_lens), positions=torch.tensor(positions).to(**to),
-            out_slots=sb.out_slots.to(**to), logits_index=torch.tensor(logit_pos, dtype=torch.long).to(**to),
+            is_decode=flat.is_decode, rows=torch.tensor(flat.rows).to(**to),
+            prefix_lens=torch.tensor(flat.prefix_lens).to(**to), extend_lens=torch.tensor(flat.extend_lens).to(**to),
+            seq_lens=torch.tensor(flat.seq_lens).to(**to), extend_start=torch.tensor(flat.starts).to(**to),
+            max_extend_len=max(flat.extend_lens), max_seq_len=max(flat.seq_lens),
+            positions=torch.tensor(flat.positions).to(**to), out_slots=flat.out_slots.to(**to),
+            logits_index=torch.tensor(flat.logit_pos, dtype=torch.long).to(**to),
             kv_cache=self.kv, req_to_token=self.req_pool.table, attn=self.attn)
         self.attn.prepare(batch)
-        return self.step_model(torch.tensor(ids).to(**to), batch), prompt_rows
+        return self.step_model(torch.tensor(flat.ids).to(**to), batch)
 
     @torch.inference_mode()
     def _postprocess(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]]) -> StepOutput:

@@ -164,9 +164,11 @@ class LlamaForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], select=None) -> None:
         """Load transformers-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). Every parameter must
-        be covered, so a wrong checkpoint fails here rather than producing garbage."""
+        be covered, so a wrong checkpoint fails here rather than producing garbage.
+        `select(target, shard, tensor)`: this tensor-parallel rank's piece of a tensor (distributed/layers.py);
+        the tensors may then be lazy safetensors slices."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -184,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
+            if select is not None:
+                tensor = select(target, shard, tensor)
             if shard is None:
                 param.copy_(tensor)
             else:

@@ -32,6 +32,10 @@ DUMMY_SHAPES = {
     "llama-3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
                        rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    # Llama-2-70B's shape (GQA, 8 KV heads): 138 GB in bf16, more than one H200 holds with a useful KV pool.
+    "llama-2-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
+                        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
@@ -63,6 +67,9 @@ class ModelSource:
     hf_config: object
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None  # None: dummy weights
     tokenizer_dir: str | None
+    # The same tensors as lazy safetensors slices (`obj[a:b]` reads rows a..b only): a tensor-parallel rank reads
+    # just its pieces. None where `weights` is.
+    weight_slices: Callable[[], Iterable[tuple[str, object]]] | None = None
 
 
 def resolve(model: str) -> ModelSource:
@@ -114,16 +121,17 @@ def _from_dir(name: str, path: Path) -> ModelSource:
     if not files:
         raise UnknownModelError(f"model directory {path} has no *.safetensors weights")
 
-    def weights():
+    def tensors(lazy: bool):
         from safetensors import safe_open
 
         for f in files:
             with safe_open(f, framework="pt") as st:
                 for key in st.keys():
-                    yield key, st.get_tensor(key)
+                    yield key, st.get_slice(key) if lazy else st.get_tensor(key)
 
     has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return ModelSource(name, AutoConfig.from_pretrained(path), weights, str(path) if has_tok else None)
+    return ModelSource(name, AutoConfig.from_pretrained(path), lambda: tensors(False),
+                       str(path) if has_tok else None, weight_slices=lambda: tensors(True))
 
 
 def _file_key(path: Path) -> str:
