@@ -34,7 +34,7 @@ def test_every_workload_builds_from_the_shipped_data():
     from workloads import BUILDERS, build
 
     for name in BUILDERS:
-        w = build(name, quick=True)
+        w = build(name, "quick")
         assert w.calls and w.sharing and 1 <= w.latency_calls <= len(w.calls), name
     assert sum(f.stat().st_size for f in (SUITE / "data").glob("*.json")) < 400_000
 
