@@ -100,7 +100,7 @@ def react(n: int) -> Workload:
     calls = [(react_trace, {"prefix": d["prefix"], "question": t["question"], "steps": t["steps"],
                             "max_tokens": 12}) for t in d["traces"][:n]]
     return Workload("react", "every trace shares the 4-example ReAct prefix (~1,000 tokens); each step extends its "
-                             "trace's previous text (recorded observations appended)", calls,
+                             "trace's previous text (recorded observations appended)", calls, latency_calls=1,
                     uses=["fork(1) + join", "host data between gens"])
 
 
