@@ -436,14 +436,17 @@ README_LINES: dict = {}  # results file -> its line in README's block (registere
 
 
 def _register_suite() -> None:
-    """The peer suite's section: benchmarks/suite/report.py's `render`, for results/suite*.json."""
+    """The peer suite's sections: benchmarks/suite/report.py's `render`, for its recorded runs."""
     path = HERE / "suite" / "report.py"
     if not path.exists():
         return
     spec = importlib.util.spec_from_file_location("lmc_bench_suite_report", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    SECTIONS["suite*.json"] = mod.render
+    # by name: the suite also writes suite_quick.json (smoke runs) and <name>_equality.json (rendered inside
+    # its run's section) next to its recorded runs
+    for name in ("suite_cpu.json", "suite_h200.json"):
+        SECTIONS[name] = mod.render
     README_LINES["suite_cpu.json"] = mod.readme_line
 
 
