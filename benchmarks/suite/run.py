@@ -57,8 +57,12 @@ SIZES_NOTES = {
                  "on this shared 2-core machine, so that 3 runs x 4 systems x 11 workloads with their latency "
                  "passes, the ablation and vLLM's start fit in about 45 minutes. The radix-cache-off baseline "
                  "recomputes every shared prefix and vLLM scores selects by echo (prompt logprobs, no cache), so "
-                 "the prefix-heavy workloads get few programs (hellaswag 4, mmlu 8): these are 'large' only next to "
-                 "--quick; a larger machine should raise them with --programs"),
+                 "the prefix-heavy workloads get few programs. On 2026-12-01 the machine ran at load 12-47 "
+                 "(other engineers' tests and benchmarks) and ran 2-4x slower than those costs; two tries at larger "
+                 "batches (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4; then 6/3/16/6) were stopped after "
+                 "mmlu, the second when the kernel killed vLLM's worker for memory. These sizes are what fit 3 runs "
+                 "before the deadline: a step above --quick for the cheap workloads, not a large batch; a quieter "
+                 "machine should raise them with --programs"),
 }
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
@@ -162,8 +166,9 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     out: dict[str, System] = {}
-    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU)
-    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 32768)
+    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU; on a
+    # shared CPU machine 16384 tokens, 0.7 GiB of SmolLM2, hold every batch of the recorded sizes)
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384)
     if "transformers" in names:
         from transformers_peer import TransformersBackend
 
