@@ -443,8 +443,7 @@ def _register_suite() -> None:
     spec = importlib.util.spec_from_file_location("lmc_bench_suite_report", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    # by name: the suite also writes suite_quick.json (smoke runs) and <name>_equality.json (rendered inside
-    # its run's section) next to its recorded runs
+    # by name: the suite also writes suite_quick.json (its smoke runs) next to its recorded runs
     for name in ("suite_cpu.json", "suite_h200.json"):
         SECTIONS[name] = mod.render
     README_LINES["suite_cpu.json"] = mod.readme_line

@@ -21,7 +21,7 @@ run, the Figure-8 ablation: the share of requests whose cached prefix is ignored
 
 Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
 --programs overrides single workloads. Every run records the first program whose outputs differ from lmc's, per
-workload and system (equality_probe.py then tells which lowering explains it).
+workload and system (RESULTS.md shows it variable by variable).
     python benchmarks/suite/run.py --workloads mmlu,rag --systems lmc,lmc-interpreted --runs 3
     python benchmarks/suite/run.py --model dummy:llama-2-7b@smollm2-135m-instruct --peer transformers \
         --ignore-eos --workloads ...  # a GPU (json_decode needs regex, which transformers refuses)
