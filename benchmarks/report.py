@@ -537,15 +537,21 @@ def render_cpu_speed(r: dict, _dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+README_LINES: dict = {}  # results file -> its line in README's block (registered like SECTIONS)
+
+
 def _register_suite() -> None:
-    """The peer suite's section: benchmarks/suite/report.py's `render`, for results/suite*.json."""
+    """The peer suite's sections: benchmarks/suite/report.py's `render`, for its recorded runs."""
     path = HERE / "suite" / "report.py"
     if not path.exists():
         return
     spec = importlib.util.spec_from_file_location("lmc_bench_suite_report", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    SECTIONS["suite*.json"] = mod.render
+    # by name: the suite also writes suite_quick.json (its smoke runs) next to its recorded runs
+    for name in ("suite_cpu.json", "suite_h200.json"):
+        SECTIONS[name] = mod.render
+    README_LINES["suite_cpu.json"] = mod.readme_line
 
 
 # ---- output -----------------------------------------------------------------------------------------------------
@@ -619,6 +625,11 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
                      f"{num(ratios['cache_aware_vs_round_robin_throughput'])}x round_robin (ratios of medians); "
                      f"prompt tokens from cache {pct(sm['cache_aware']['hit_rate'])}, against round_robin's "
                      f"{pct(sm['round_robin']['hit_rate'])} and one replica's {pct(sm['one']['hit_rate'])}.")
+    for name, line_of in README_LINES.items():
+        r = load(name)
+        line = line_of(r) if r else None
+        if line:
+            lines.append(line)
     return "\n".join([README_BEGIN, *lines, README_END])
 
 

@@ -34,21 +34,58 @@ def test_every_workload_builds_from_the_shipped_data():
     from workloads import BUILDERS, build
 
     for name in BUILDERS:
-        w = build(name, quick=True)
+        w = build(name, "quick")
         assert w.calls and w.sharing and 1 <= w.latency_calls <= len(w.calls), name
     assert sum(f.stat().st_size for f in (SUITE / "data").glob("*.json")) < 400_000
 
 
-def test_quick_run_of_one_workload(tmp_path):
-    import importlib.util
+def test_every_named_size_covers_every_workload_within_the_data():
+    from workloads import BUILDERS, SIZES, build
 
+    for size, counts in SIZES.items():
+        assert set(counts) == set(BUILDERS), size
+    for name, n in SIZES["recorded"].items():
+        assert len(build(name, "recorded").calls) == n, name  # the data holds the recorded batch
+    assert len(build("rag", "quick", n=5).calls) == 5
+    with pytest.raises(ValueError, match="at least one program"):
+        build("rag", n=0)
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        build("rag", "huge")
+
+
+def test_programs_option_names_the_bad_item():
     import run
+
+    assert run._programs("mmlu=12,rag=3") == {"mmlu": 12, "rag": 3}
+    with pytest.raises(SystemExit, match="'nope=3'"):
+        run._programs("mmlu=2,nope=3")
+    with pytest.raises(SystemExit, match="'rag=x'"):
+        run._programs("rag=x")
+
+
+def _suite_report():
+    import importlib.util
 
     # By path: `report` is also benchmarks/report.py's module name (tests/test_records.py imports that one).
     spec = importlib.util.spec_from_file_location("suite_report", SUITE / "report.py")
     suite_report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite_report)
-    render = suite_report.render
+    return suite_report
+
+
+def test_report_lists_the_variables_that_differ():
+    diff = {"program": 1, "lmc": json.dumps({"a": "x", "b": [1, 2]}), "vllm": json.dumps({"a": "x|y", "b": [1, 2]})}
+    results = {"json_decode": {"lmc": {"runs": [{"first_difference": None}]},
+                               "vllm": {"runs": [{"first_difference": diff}, {"first_difference": None}]}}}
+    rows = _suite_report()._differences(results, ["lmc", "vllm"])
+    assert rows[-1] == '| json_decode | vllm | 1 | `a` | `"x"` | `"x\\|y"` |'  # only `a`; the pipe escaped
+    assert len([r for r in rows if r.startswith("| json_decode")]) == 1
+
+
+def test_quick_run_of_one_workload(tmp_path):
+    import run
+
+    render = _suite_report().render
 
     path = tmp_path / "suite.json"
     results = run.main(["--quick", "--workloads", "generative_agents", "--json", str(path), "--no-ablation"])
@@ -59,6 +96,7 @@ def test_quick_run_of_one_workload(tmp_path):
     assert f["errors"] == 0 and f["equal_outputs_vs_lmc"] == 1.0
     assert f["hit_rate"] <= f["optimal_hit_rate"] + 1e-9  # no engine beats the optimum
     assert f["optimal_hit_rate"] > 0.2  # one call per function: the five share the world description
+    assert results["_meta"]["size"] == "quick" and results["_meta"]["workloads"]["generative_agents"]["programs"] == 5
     assert results["_meta"]["load_average_before"] and results["_meta"]["workloads"]["generative_agents"]["sharing"]
     md = render(results, tmp_path)
     assert "| generative_agents |" in md and "achieved / optimal" in md

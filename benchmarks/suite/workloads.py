@@ -2,8 +2,10 @@
 
 Each workload is a batch of program calls plus a statement of its sharing structure: which prompt prefixes its
 programs have in common. Shapes follow SGLang's benchmark/ programs; output lengths are cut to what two CPU cores
-run in minutes, and the batches are small for the same reason (a recorded run is 3 runs x 4 systems x 11 workloads
-on a shared 2-core machine); `quick` cuts them to one or two programs.
+run in minutes. Each builder takes the batch size `n` (programs); SIZES names three sets of them: "quick" (one or
+two programs, for CI), "small" (the batches of the first recordings, a few programs) and "recorded" (the CPU
+run: batches sized so that 3 runs x 4 systems x 11 workloads take about 45 minutes on two cores; run.py's
+--programs overrides single workloads).
 """
 from __future__ import annotations
 
@@ -50,14 +52,16 @@ def mmlu_question(s, examples, question):
     s += examples + question + lmc.select("answer", [" A", " B", " C", " D"])
 
 
-def mmlu(quick: bool) -> Workload:
-    subjects = data("mmlu")["subjects"][:2]
+def mmlu(n: int) -> Workload:
+    subjects = data("mmlu")["subjects"][:4 if n >= 16 else 2]
+    per_subject = -(-n // len(subjects))
     calls = []
     for sub in subjects:
         examples = (f"The following are multiple choice questions (with answers) about {sub['subject']}.\n\n"
                     + "".join(_mmlu_item(e, e["answer"]) + "\n\n" for e in sub["examples"]))
         calls += [(mmlu_question, {"examples": examples, "question": _mmlu_item(q)})
-                  for q in sub["questions"][:1 if quick else 3]]
+                  for q in sub["questions"][:per_subject]]
+    calls = calls[:n]
     return Workload("mmlu", "programs of one subject share its 5-shot block (~450 tokens); subjects share the "
                             "instruction line", calls, uses=["select (single-token choices)"])
 
@@ -69,13 +73,14 @@ def hellaswag_question(s, shots, ctx, endings):
     s += lmc.select("answer", choices=list(endings))
 
 
-def hellaswag(quick: bool) -> Workload:
+def hellaswag(n: int) -> Workload:
     d = data("hellaswag")
     shots = "".join(x["ctx"] + x["endings"][x["label"]] + "\n\n" for x in d["shots"])
     calls = [(hellaswag_question, {"shots": shots, "ctx": q["ctx"], "endings": tuple(q["endings"])})
-             for q in d["questions"][:2 if quick else 4]]
+             for q in d["questions"][:n]]
     return Workload("hellaswag", "two levels: every program shares the 20-shot block (~1,300 tokens); the 4 "
-                                 "endings of one program share its context", calls, uses=["select (multi-token)"])
+                                 "endings of one program share its context", calls, latency_calls=1,
+                    uses=["select (multi-token)"])
 
 
 # ---- ReAct traces replayed with recorded observations ------------------------------------------------------------
@@ -90,12 +95,12 @@ def react_trace(s, prefix, question, steps, max_tokens=24):
         s += f" {step['thought']}\nAction {i}: {step['action']}\nObservation {i}: {step['observation']}\n"
 
 
-def react(quick: bool) -> Workload:
+def react(n: int) -> Workload:
     d = data("react")
     calls = [(react_trace, {"prefix": d["prefix"], "question": t["question"], "steps": t["steps"],
-                            "max_tokens": 12}) for t in d["traces"][:1 if quick else 2]]
+                            "max_tokens": 12}) for t in d["traces"][:n]]
     return Workload("react", "every trace shares the 4-example ReAct prefix (~1,000 tokens); each step extends its "
-                             "trace's previous text (recorded observations appended)", calls,
+                             "trace's previous text (recorded observations appended)", calls, latency_calls=1,
                     uses=["fork(1) + join", "host data between gens"])
 
 
@@ -167,8 +172,8 @@ AGENT_FUNCS = {"poignancy": agent_poignancy, "triple": agent_triple, "emoji": ag
                "arena": agent_arena}
 
 
-def agents(quick: bool) -> Workload:
-    calls = [(AGENT_FUNCS[c["func"]], c["args"]) for c in data("agents")["calls"][:5 if quick else 10]]
+def agents(n: int) -> Workload:
+    calls = [(AGENT_FUNCS[c["func"]], c["args"]) for c in data("agents")["calls"][:n]]
     return Workload("generative_agents", "5 functions, each call of one function shares its few-shot prompt; all "
                                          "five share the world description (~120 tokens); recorded calls replayed",
                     calls, latency_calls=2, uses=["5 programs in one batch", "stop strings"])
@@ -192,8 +197,8 @@ def tree_of_thought(s, question, plan_tokens=24, solution_tokens=24):
     plans.join()
 
 
-def tree_of_thought_workload(quick: bool) -> Workload:
-    qs = data("gsm8k")["questions"][:1 if quick else 2]
+def tree_of_thought_workload(n: int) -> Workload:
+    qs = data("gsm8k")["questions"][:n]
     calls = [(tree_of_thought, {"question": q["question"], "plan_tokens": 12, "solution_tokens": 12}) for q in qs]
     return Workload("tree_of_thought", "a 2 x 2 tree per problem: both plans share the question, both solutions "
                                        "of a plan share the plan, each verdict's choices share the solution; "
@@ -232,8 +237,8 @@ def suggest_tips(s, topic, num_tips=3, paragraph_tokens=32):
         s += f"Tip {i}:" + p["paragraph"] + "\n"
 
 
-def tips(quick: bool) -> Workload:
-    calls = [(suggest_tips, {"topic": t, "paragraph_tokens": 16}) for t in data("topics")["topics"][:1 if quick else 2]]
+def tips(n: int) -> Workload:
+    calls = [(suggest_tips, {"topic": t, "paragraph_tokens": 16}) for t in data("topics")["topics"][:n]]
     return Workload("skeleton_of_thought", "each tip is expanded by a nested program whose 3-shot prompt "
                                            "(~200 tokens) every expansion shares; skeletons share their instruction",
                     calls, latency_calls=1, uses=["nested program calls on generated values"])
@@ -258,9 +263,9 @@ def judge(s, title, article, judgement_tokens=24):
     s += "Overall score (1-10):" + lmc.gen("score", max_tokens=2)
 
 
-def judge_workload(quick: bool) -> Workload:
+def judge_workload(n: int) -> Workload:
     calls = [(judge, {"title": a["title"], "article": a["text"], "judgement_tokens": 12})
-             for a in data("articles")["articles"][:1 if quick else 2]]
+             for a in data("articles")["articles"][:n]]
     return Workload("llm_judge", "4 judgement branches per article share the article (~250 tokens); the merge "
                                  "extends the article with the judgements; articles share the system text",
                     calls, latency_calls=1, uses=["fork(4) + join", "merge over branch values"])
@@ -284,8 +289,8 @@ def json_decode(s, document):
         s += "}"
 
 
-def json_workload(quick: bool) -> Workload:
-    calls = [(json_decode, {"document": d["document"]}) for d in data("cities")["documents"][:1 if quick else 2]]
+def json_workload(n: int) -> Workload:
+    calls = [(json_decode, {"document": d["document"]}) for d in data("cities")["documents"][:n]]
     return Workload("json_decode", "each document (~350 tokens) is its own; programs share only the instruction; "
                                    "5 regex-constrained fields between constant keys", calls, latency_calls=1,
                     uses=["regex gens", "var_scope"])
@@ -310,14 +315,13 @@ def multi_turn_chat(s, turns):
 LONG_OUTPUTS = (32, 64)
 
 
-def chat(quick: bool, long: bool, long_outputs: tuple[int, int] = LONG_OUTPUTS) -> Workload:
+def chat(n: int, long: bool, long_outputs: tuple[int, int] = LONG_OUTPUTS) -> Workload:
     rng = random.Random(7 if long else 5)
-    convs = 1 if long or quick else 2
-    prompt_lo, prompt_hi = (64, 128) if quick else (256, 512)
-    out_lo, out_hi = ((16, 32) if quick else long_outputs) if long else (4, 8)
+    prompt_lo, prompt_hi = 256, 512
+    out_lo, out_hi = long_outputs if long else (4, 8)
     calls = [(multi_turn_chat, {"turns": [(_random_prompt(rng, rng.randrange(prompt_lo, prompt_hi)),
                                            rng.randrange(out_lo, out_hi + 1)) for _ in range(4)]})
-             for _ in range(convs)]
+             for _ in range(n)]
     name = "multi_turn_chat_long" if long else "multi_turn_chat_short"
     return Workload(name, f"4 turns; each turn's prompt extends the whole history (prompts {prompt_lo}-{prompt_hi} "
                           f"tokens, outputs {out_lo}-{out_hi} tokens, ignore_eos); conversations share nothing "
@@ -342,10 +346,10 @@ def rag_answer(s, context, question):
     s += lmc.assistant(lmc.gen("answer", max_tokens=16, stop="\n"))
 
 
-def rag(quick: bool) -> Workload:
+def rag(n: int) -> Workload:
     d = data("rag")
     calls = []
-    for q in d["questions"][:2 if quick else 3]:
+    for q in d["questions"][:n]:
         docs = retrieve(q["question"], d["documents"])
         context = "".join(f"[{x['id']}] {x['title']}: {x['text']}\n" for x in docs)
         calls.append((rag_answer, {"context": context, "question": q["question"]}))
@@ -357,12 +361,36 @@ def rag(quick: bool) -> Workload:
 BUILDERS = {
     "mmlu": mmlu, "hellaswag": hellaswag, "react": react, "generative_agents": agents,
     "tree_of_thought": tree_of_thought_workload, "skeleton_of_thought": tips, "llm_judge": judge_workload,
-    "json_decode": json_workload, "multi_turn_chat_short": lambda q: chat(q, long=False),
-    "multi_turn_chat_long": lambda q: chat(q, long=True), "rag": rag,
+    "json_decode": json_workload, "multi_turn_chat_short": lambda n: chat(n, long=False),
+    "multi_turn_chat_long": lambda n: chat(n, long=True), "rag": rag,
+}
+# Programs per workload in each named size. "recorded" is the recorded CPU run. It was to be sized from each
+# workload's per-program cost summed over the 4 systems (measured at the quick sizes: mmlu ~10 s, hellaswag ~28 s,
+# react ~28 s, agents ~2 s, ToT/SoT ~18 s, judge/json/short chat ~13-15 s, long chat ~34 s, rag ~7 s) so that 3
+# runs fit in ~45 minutes (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4). On 2026-12-01 the shared machine
+# ran at load 12-47 and ran those costs 2-4x slower; a vLLM worker was killed for memory. Two tries were stopped
+# after mmlu; these sizes are what fit 3 runs before the deadline, a step above "quick" for the cheap workloads.
+# The data files hold more items (hellaswag 64, mmlu 4 x 24, agents 48, the rest 16-32): raise with --programs.
+SIZES = {
+    "quick": {"mmlu": 2, "hellaswag": 2, "react": 1, "generative_agents": 5, "tree_of_thought": 1,
+              "skeleton_of_thought": 1, "llm_judge": 1, "json_decode": 1, "multi_turn_chat_short": 1,
+              "multi_turn_chat_long": 1, "rag": 2},
+    "small": {"mmlu": 6, "hellaswag": 4, "react": 2, "generative_agents": 10, "tree_of_thought": 2,
+              "skeleton_of_thought": 2, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
+              "multi_turn_chat_long": 1, "rag": 3},
+    "recorded": {"mmlu": 4, "hellaswag": 2, "react": 1, "generative_agents": 10, "tree_of_thought": 2,
+                 "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
+                 "multi_turn_chat_long": 1, "rag": 4},
 }
 
 
-def build(name: str, quick: bool) -> Workload:
+def build(name: str, size: str = "small", n: int | None = None) -> Workload:
+    """Workload `name` with the batch of the named size, or of `n` programs."""
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(BUILDERS)}")
-    return BUILDERS[name](quick)
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    n = SIZES[size][name] if n is None else n
+    if n < 1:
+        raise ValueError(f"{name}: the batch needs at least one program, got {n}")
+    return BUILDERS[name](n)
