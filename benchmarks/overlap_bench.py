@@ -75,8 +75,9 @@ def workloads(tokenizer, seed: int):
     unrelated = torch.randint(100, 40000, (48, 200), generator=g).tolist()
     greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     topics = ["rivers", "bridges", "owls", "volcanoes", "tea", "chess", "maps", "clocks"]
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write two short lines about {t}."}],
-                                          add_generation_prompt=True) for t in topics * 2]
+    chat = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Write two short lines about {t}."}], add_generation_prompt=True, tokenize=False))
+        for t in topics * 2]
     stops = [{"max_new_tokens": 48, "temperature": 0, "stop": ["\n\n", "."]} for _ in chat]
     stops[3] = {"max_new_tokens": 48, "temperature": 0, "regex": r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,2}\}'}
     return (unrelated, greedy), (chat, stops)
