@@ -26,14 +26,14 @@ class LogitsRecorder:
 
     def __init__(self, runner):
         self.logits: list[torch.Tensor] = []
-        forward = runner.forward
+        forward = runner._forward
 
-        def recording(sb):
-            logits, rows = forward(sb)
+        def recording(*packed):
+            logits, sample_rows = forward(*packed)
             self.logits.append(logits.clone())
-            return logits, rows
+            return logits, sample_rows
 
-        runner.forward = recording
+        runner._forward = recording
 
 
 def _children() -> list[int]:
@@ -60,7 +60,7 @@ def tp1_and_tp2(engine):
     try:
         results = {1: (engine.generate(PROMPTS, GREEDY), rec.logits)}
     finally:
-        del engine.runner.forward
+        del engine.runner._forward
     eng = Engine(MODEL, tensor_parallel_size=2, **KW)
     rec = LogitsRecorder(eng.runner)
     try:
