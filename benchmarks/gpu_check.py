@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lmc.runtime import Engine, SamplingParams  # noqa: E402
 from lmc.runtime.core import Req  # noqa: E402
 from lmc.runtime.model.loader import resolve  # noqa: E402
-from lmc.runtime.runner import ScheduledBatch  # noqa: E402
+from lmc.runtime.runner import BatchBuilder, decode_batch  # noqa: E402
 
 from record import finish, provenance, spread  # noqa: E402
 
@@ -57,22 +57,19 @@ def lmc_logits(eng, seqs, lens, steps, dev):
     """Drive the runner directly (the engine is idle): one extend batch, then `steps - 1` decode batches whose
     input tokens are forced, so both models see the same sequence whatever they would have sampled.
     Returns [steps][n_prompts, vocab]."""
-    runner, n = eng.runner, len(seqs)
+    runner, n, alloc = eng.runner, len(seqs), eng.scheduler.allocator
     reqs = [Req(s, SamplingParams(max_new_tokens=1)) for s in seqs]
-    for r in reqs:
-        r.row = runner.req_pool.alloc()
-    slots = []
+    for i, r in enumerate(reqs):
+        r.row = 1 + i  # rows 1..n of the idle engine (row 0 is the dummy row)
+    b = BatchBuilder()
     for r, k in zip(reqs, lens):
-        s = runner.allocator.alloc(k)
-        runner.req_pool.table[r.row, :k] = s.to(dev, torch.int32)
-        slots.append(s)
-    out = [runner.forward(ScheduledBatch(reqs, False, [0] * n, lens, torch.cat(slots), [True] * n))[0]]
+        b.add(r, 0, k, alloc.alloc(k), True)
+    out = [runner.launch(b.build([])).forward.result()[0]]
     kv = list(lens)
-    for _ in range(steps - 1):
-        s = runner.allocator.alloc(n)
-        for r, k, slot in zip(reqs, kv, s):
-            runner.req_pool.table[r.row, k] = int(slot)
-        out.append(runner.forward(ScheduledBatch(reqs, True, kv, [1] * n, s, [True] * n))[0])
+    rows = torch.tensor([r.row for r in reqs], device=dev)
+    for _ in range(steps - 1):  # a decode step reads its input ids from the token buffer: force them there
+        runner.token_buf[rows] = torch.tensor([s[k] for s, k in zip(seqs, kv)], device=dev)
+        out.append(runner.launch(decode_batch(reqs, kv, alloc.alloc(n), [])).forward.result()[0])
         kv = [k + 1 for k in kv]
     eng.scheduler.reset()
     return out

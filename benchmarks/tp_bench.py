@@ -79,21 +79,23 @@ def write_checkpoint(shape: str, out: Path, device: str) -> Path:
 
 # ---- logits ---------------------------------------------------------------------------------------------------
 class LogitsRecorder:
-    """Keeps the logits rank 0's runner.forward returns (the engine's own forward runs)."""
+    """Keeps the logits rank 0's runner._forward returns (the engine's own forward runs)."""
 
     def __init__(self, runner):
-        self.logits, forward = [], runner.forward
+        self.logits, forward = [], runner._forward
 
-        def recording(sb):
-            logits, rows = forward(sb)
+        def recording(*packed):
+            logits, sample_rows = forward(*packed)
             self.logits.append(logits.float().cpu())
-            return logits, rows
+            return logits, sample_rows
 
-        runner.forward = recording
+        runner._forward = recording
 
 
 def lmc_prompt_logits(model: str, tp: int, args) -> list:
     """Per prompt: logits at every prompt position (prompt logprobs from position 0 make the prefill return them)."""
+    import torch
+
     eng = engine(model, tp, args)
     try:
         rec = LogitsRecorder(eng.runner)
@@ -101,7 +103,8 @@ def lmc_prompt_logits(model: str, tp: int, args) -> list:
         for p in PROMPTS:  # one at a time: one prefill each, rows in position order
             rec.logits.clear()
             eng.generate(p, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True, logprob_start_len=0)
-            out.append(rec.logits[0])
+            first = rec.logits[0]  # the sampled (last) position's row, then positions 0 .. n-2 (runner.Launch)
+            out.append(torch.cat([first[1:], first[:1]]))
         return out
     finally:
         eng.shutdown()

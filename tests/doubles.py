@@ -31,14 +31,14 @@ class ScriptedBackend:
 
 
 class FaultyForward:
-    """Test double for ModelRunner.run: raises RuntimeError(message) for any batch holding a request that
-    `poisoned(req, batch)` selects, else runs the real forward. `raised` counts the failures it injected."""
+    """Test double for ModelRunner.launch: raises RuntimeError(message) for any batch holding a request that
+    `poisoned(req, batch)` selects, else launches the real forward. `raised` counts the failures it injected."""
 
-    def __init__(self, run, poisoned, message: str = "injected fault"):
-        self.run, self.poisoned, self.message, self.raised = run, poisoned, message, 0
+    def __init__(self, launch, poisoned, message: str = "injected fault"):
+        self.launch, self.poisoned, self.message, self.raised = launch, poisoned, message, 0
 
     def __call__(self, sb):
         if any(self.poisoned(r, sb) for r in sb.reqs):
             self.raised += 1
             raise RuntimeError(self.message)
-        return self.run(sb)
+        return self.launch(sb)

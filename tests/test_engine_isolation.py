@@ -123,8 +123,8 @@ def test_a_failing_prefill_fails_only_the_blamed_request(engine, tokenizer, monk
     prompts = [WARM + f"Room {i}?" for i in range(5)]
     alone = [r["output_ids"] for r in engine.generate(prompts, GREEDY)]  # the same batch without the fault
     failed_before = engine.stats()["failed_requests"]
-    fault = FaultyForward(engine.runner.run, _marked(tokenizer, prompts[3]))
-    monkeypatch.setattr(engine.runner, "run", fault)
+    fault = FaultyForward(engine.runner.launch, _marked(tokenizer, prompts[3]))
+    monkeypatch.setattr(engine.runner, "launch", fault)
     with caplog.at_level(logging.ERROR, logger="lmc.runtime"):
         futs, _ = engine._submit_all(prompts, GREEDY, None, {})  # one batch, as generate() submits it
         results = [f.exception() or f.result() for f in futs]
@@ -143,9 +143,9 @@ def test_a_failing_decode_fails_only_the_blamed_request(engine, tokenizer, monke
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     alone = [r["output_ids"] for r in engine.generate(prompts, params)]
     ids = tokenizer.encode(prompts[1])
-    fault = FaultyForward(engine.runner.run,
+    fault = FaultyForward(engine.runner.launch,
                           lambda r, sb: r.input_ids == ids and sb.is_decode and len(r.output_ids) >= 4)
-    monkeypatch.setattr(engine.runner, "run", fault)
+    monkeypatch.setattr(engine.runner, "launch", fault)
     out = engine.generate(prompts, params)
     monkeypatch.undo()
     assert "injected fault" in out[1]["error"] and fault.raised >= 1
@@ -198,9 +198,9 @@ def test_an_unblamable_failure_rebuilds_memory_and_keeps_the_queue(engine, monke
 def test_a_device_fault_is_not_retried_and_drops_the_batch(engine, tokenizer, monkeypatch):
     """A CUDA error poisons everything computed since: no bisection, the KV memory is rebuilt and the requests
     that held KV fail; the engine serves the next request."""
-    fault = FaultyForward(engine.runner.run, _marked(tokenizer, "Device one"),
+    fault = FaultyForward(engine.runner.launch, _marked(tokenizer, "Device one"),
                           message="CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(engine.runner, "run", fault)
+    monkeypatch.setattr(engine.runner, "launch", fault)
     out = engine.generate(["Device one", "Device two"], GREEDY)
     monkeypatch.undo()
     assert fault.raised == 1 and all("illegal memory access" in r["error"] for r in out)

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo (runtime/distributed): the embedded model over 2 ranks (its 9 query and
 3 KV heads split unevenly, 6 + 3 and 2 + 1) gives TP=1's greedy tokens and logits; bad sizes are refused with the
-reason; a worker that dies fails every pending request and leaves no process behind."""
+reason; overlap scheduling under TP gives the same outputs; a worker that dies fails every pending request and
+leaves no process behind."""
 import os
 import signal
 import time
@@ -26,14 +27,14 @@ class LogitsRecorder:
 
     def __init__(self, runner):
         self.logits: list[torch.Tensor] = []
-        forward = runner.forward
+        forward = runner._forward
 
-        def recording(sb):
-            logits, rows = forward(sb)
+        def recording(*packed):
+            logits, sample_rows = forward(*packed)
             self.logits.append(logits.clone())
-            return logits, rows
+            return logits, sample_rows
 
-        runner.forward = recording
+        runner._forward = recording
 
 
 def _children() -> list[int]:
@@ -60,7 +61,7 @@ def tp1_and_tp2(engine):
     try:
         results = {1: (engine.generate(PROMPTS, GREEDY), rec.logits)}
     finally:
-        del engine.runner.forward
+        del engine.runner._forward
     eng = Engine(MODEL, tensor_parallel_size=2, **KW)
     rec = LogitsRecorder(eng.runner)
     try:
@@ -86,6 +87,28 @@ def test_tp2_logits_within_1e5_relative_of_tp1(tp1_and_tp2):
         assert a.shape == b.shape and a.shape[-1] == 49152
         worst, scale = (b - a).abs().max().item(), a.abs().max().item()
         assert worst <= 1e-5 * scale, (worst, scale)
+
+
+def test_tp2_with_overlap_matches_tp1_without():
+    """Overlap scheduling under TP=2 (rank 0's broadcasts and forwards on the CPU worker thread): the workers read
+    the ids rank 0 sampled from its token buffer. Dummy weights, so that the sampled ids spread over the whole
+    vocabulary: an id in rank 1's half of the embedding that rank 1 did not get would change the logits."""
+    ids = [[1, 5, 7, 9, 11, 300], [2, 3, 4], [400, 17]]
+    params = [GREEDY, {"max_new_tokens": 12, "temperature": 0.9, "seed": 7, "ignore_eos": True}, GREEDY]
+    with Engine("dummy:tiny", **KW) as one:
+        want = one.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+    eng = Engine("dummy:tiny", tensor_parallel_size=2, overlap_schedule=True, check_invariants=True, **KW)
+    try:
+        assert eng.scheduler.overlap
+        got = eng.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+    finally:
+        eng.shutdown()
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert any(t >= 256 for w in want for t in w["output_ids"])  # rank 1's vocabulary shard
+    for g, w in zip(got, want):
+        lp = [[t[0] for t in r["meta_info"]["output_token_logprobs"]] for r in (g, w)]
+        assert lp[0] == pytest.approx(lp[1], rel=1e-5)
+    assert not _children()
 
 
 def test_no_worker_left_after_shutdown(tp1_and_tp2):

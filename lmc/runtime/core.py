@@ -1,8 +1,14 @@
 """Core records of the runtime: sampling parameters, requests and their results.
 
-A `Req` is the scheduler's unit of work. Its token sequence is `fill_ids = input_ids + output_ids`; the first
-`kv_len` of those have KV in the pool, reachable through the request's row of the slot table. While decoding,
-exactly one token (the last sampled one) has no KV yet: `kv_len == len(fill_ids) - 1`.
+A `Req` is the scheduler's unit of work. Its token sequence is `fill_ids = input_ids + output_ids`. KV positions,
+through the request's row of the slot table (scheduler/cache.py owns the accounting):
+- `kv_len`: positions with slots allocated, including those of forwards still in flight;
+- `kv_done`: positions whose KV a completed (collected) forward computed, `kv_done <= kv_len`; only these ever go
+  into the radix tree;
+- `cache_protected_len <= kv_done`: the leading positions whose slots belong to the tree.
+Between steps without overlap, a decoding request has exactly one token (the last sampled one) without KV:
+`kv_done == kv_len == len(fill_ids) - 1`. With a step in flight, its next position is already allocated and its
+last token may still be on the device: `kv_len == len(fill_ids)`.
 """
 from __future__ import annotations
 
@@ -186,15 +192,18 @@ class Req:
     # KV bookkeeping (see module docstring). `row` is the slot-table row, -1 when not resident.
     row: int = -1
     kv_len: int = 0
-    cache_protected_len: int = 0  # prefix of the row whose slots belong to the radix tree
+    kv_done: int = 0
+    cache_protected_len: int = 0
     last_node: Any = None  # radix node locked by this request (pins its path)
+    # Bumped whenever the request gives up its KV (finished, aborted, retracted, re-queued by a jump): a batch
+    # entry scheduled under an older epoch is stale, and its output is dropped.
+    epoch: int = 0
     # Prefix-match result, refreshed by the scheduler before admission.
     prefix_slots: Any = None
     match_node: Any = None
     match_version: int = -1  # radix-cache version the match was taken at
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed by this request (meta_info)
     computed_tokens: int = 0  # high-water mark of tokens this request prefilled/decoded itself
-    extend_len: int = 0  # tokens this request computes in the current forward
     forward_passes: int = 0
     # Output side.
     finished: bool = False
@@ -208,7 +217,7 @@ class Req:
     output_token_ids_logprobs: list = field(default_factory=list)
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
-    # Jump-forward (scheduler.py): tokens placed without sampling, tokens they replaced when the output was
+    # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was
     # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
     jump_forward_tokens: int = 0
     retokenized_tokens: int = 0

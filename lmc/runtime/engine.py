@@ -12,7 +12,7 @@ before the end, or cancelling the `async_generate` awaiting it.
 
 Isolation: every field of a request is validated in the caller's thread (RequestError naming the field), so nothing
 a request carries reaches the scheduler thread unchecked. Should a step still raise, the scheduler singles out the
-requests it fails for (scheduler.py: bisection of the batch); they alone fail, with EngineError, and the failure is
+requests it fails for (scheduler/scheduler.py: bisection of the batch); they alone fail, with EngineError, and the failure is
 logged with their ids. The prefix cache survives; only an error that leaves the KV memory untrusted (in scheduling
 itself, or a device fault) rebuilds it, dropping the requests that held KV (queued ones carry on).
 `shutdown()` releases the engine's memory (KV buffers, CUDA graphs, weights), so another Engine fits after it.
@@ -61,20 +61,24 @@ class Engine:
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
                  max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, overlap_schedule: bool | None = None):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
         `start`: start the scheduler thread; False leaves `engine.scheduler.step()` to the caller (tests that
         drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained
-        requests only; see scheduler.py). Off, every token is sampled: the comparison baseline.
+        requests only; see jump_forward.py). Off, every token is sampled: the comparison baseline.
         `enable_torch_compile`: compile the model forward with torch.compile at start-up, cached on disk under
         the lmc cache dir (runtime/compiled.py); eager, with a warning, where compilation fails.
         `tensor_parallel_size`: shard the model over this many ranks (runtime/distributed): this process is rank 0
         and runs the scheduler, one worker process per other rank (GPUs cuda:0.., or all on the CPU).
         `check_invariants`: check slot accounting after every step, and that every jump leaves the output ids
-        the tokenizer's canonical encoding of the output text (tests)."""
+        the tokenizer's canonical encoding of the output text (tests).
+        `overlap_schedule`: process each step's output while the next step runs on the device (scheduler/). None:
+        on where it pays, i.e. on CUDA; on the CPU the forward already uses every core, and the host's share of
+        a step is too small to win back what a second thread costs it (benchmarks/overlap_bench.py). Outputs are
+        the same either way."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
               "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -89,22 +93,24 @@ class Engine:
         ctx = min(context_length or hf.max_position_embeddings, hf.max_position_embeddings)
         if max_total_tokens is None:
             max_total_tokens = _CPU_DEFAULT_TOKENS if dev.type == "cpu" else None
+        self.overlap_schedule = dev.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
         self.runner = _make_runner(src, weights, dev, tensor_parallel_size, dict(
             dtype=dt, attention=attention_backend, max_total_tokens=max_total_tokens or 0,
             max_running=max_running_requests, context_length=ctx, seed=seed, mem_fraction=mem_fraction_static,
-            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile))
+            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile,
+            threaded=self.overlap_schedule and dev.type == "cpu"))
         self.context_length = ctx
         self.device = dev
         self.vocab_size = self.runner.cfg.vocab_size
         self.max_top_logprobs = max_top_logprobs
         self.grammars = GrammarCache(self.tokenizer, self.runner.cfg.vocab_size, self.runner.cfg.eos_token_ids)
-        self.max_total_tokens = self.runner.allocator.num_slots
+        self.max_total_tokens = self.runner.num_slots
         chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)
         self.scheduler = Scheduler(
             self.runner, SchedulerConfig(policy=schedule_policy, max_running=max_running_requests,
                                          max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk),
             disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed, grammars=self.grammars,
-            enable_jump_forward=enable_jump_forward, debug_checks=check_invariants)
+            enable_jump_forward=enable_jump_forward, debug_checks=check_invariants, overlap=self.overlap_schedule)
         self.check_invariants = check_invariants
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._flushes: list[Future] = []
@@ -346,7 +352,7 @@ class Engine:
         self._check_open()
         s = self.scheduler
         return {**s.stats, "busy_seconds": self.busy_seconds, "waiting": len(s.waiting), "running": len(s.running),
-                "free_slots": self.runner.allocator.available, "cached_slots": s.cache.total_size,
+                "free_slots": s.allocator.available, "cached_slots": s.cache.total_size,
                 "total_slots": self.max_total_tokens}
 
     # ---- scheduler thread ----------------------------------------------------------------------------------
@@ -392,7 +398,7 @@ class Engine:
                     progressed = sched.step()
                     if self.check_invariants or any(r.error for r in progressed):  # a fault in the step:
                         sched.check_invariants()  # prove the memory consistent before going on
-                except Exception as e:  # nobody to blame (see scheduler.py): rebuild memory, keep the queue
+                except Exception as e:  # nobody to blame (see scheduler/scheduler.py): rebuild memory, keep the queue
                     self._recover(e)
                     continue
                 finally:

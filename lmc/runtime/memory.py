@@ -1,6 +1,7 @@
 """KV memory in three layers (SGLang's design, page size 1):
 
-1. `ReqToTokenPool`: request row x position -> KV slot (an int32 table the attention kernels read).
+1. The slot table: request row x position -> KV slot (an int32 table the attention kernels read); `RowAllocator`
+   hands out its rows.
 2. `SlotAllocator`: free list of token slots. Slot 0 is reserved as a dummy that padded or masked reads point at.
 3. `KVCache`: per-layer K and V buffers of shape [num_slots + 1, kv_heads, head_dim].
 
@@ -10,17 +11,21 @@ from __future__ import annotations
 
 import torch
 
+DUMMY_ROW = 0  # the slot-table row that stays all zeros (see RowAllocator)
 
-class ReqToTokenPool:
-    """Rows of the slot table. A resident request owns one row until it finishes or is retracted."""
 
-    def __init__(self, num_rows: int, max_context: int, device: torch.device):
-        self.table = torch.zeros((num_rows, max_context), dtype=torch.int32, device=device)
-        self.max_context = max_context
+class RowAllocator:
+    """Free list of slot-table rows 1..num_rows-1. Row 0 is the dummy row: it stays all zeros (the dummy slot 0),
+    so CUDA-graph padding reads and writes only the dummy slot; it is never handed out. A resident request owns
+    one row until it finishes, is retracted or is re-queued by a jump. Host-side only: the slot table itself lives
+    twice, the scheduler's host copy (scheduler/cache.py) and the runner's device copy (runner.py)."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
         self.reset()
 
     def reset(self) -> None:
-        self._free = list(range(len(self.table) - 1, -1, -1))
+        self._free = list(range(self.num_rows - 1, 0, -1))
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None

@@ -1,55 +1,146 @@
-"""ModelRunner: owns the model, the KV memory and the attention backend; turns a scheduled batch into one
-forward, then samples and extracts logprobs. It knows nothing of queues or the radix tree."""
+"""ModelRunner: owns the model, the device-side KV memory (KV buffers, slot table, token buffer) and the attention
+backend; turns a scheduled batch into one forward, then samples and extracts logprobs. It knows nothing of queues
+or the radix tree.
+
+A step is split so that the host can work while the device computes (overlap scheduling, scheduler/):
+- `launch(sb)`: pack the batch's metadata into one host tensor, copy it to the device in one (pinned, on CUDA)
+  copy, write the batch's slots into the device slot table, gather the input ids the host does not know yet from
+  the token buffer, and run the forward. Returns a handle at once.
+- `sample(handle, grammar_reqs)`: mask, sample, write the sampled ids into the token buffer (one entry per slot-
+  table row: the request's last token, which its next decode step reads on the device), and start their copy to
+  the host. Separate from launch because a grammar's mask needs the previous step's token accepted first.
+- `collect(handle)`: wait for the sampled ids; logprobs for the requests that asked.
+On CUDA the device work is asynchronous by nature (one stream). On the CPU, with `threaded=True`, it runs on one
+worker thread in submission order, the CPU's stand-in for a stream; otherwise inline. Either way, errors raised by
+device work surface at collect(). The device slot table and token buffer are only ever touched by device work,
+in stream order: the scheduler keeps its own host copy of the table and never reads this one.
+Under tensor parallelism every rank runs the same `_forward` on its shard: rank 0 broadcasts the packed step to the
+workers (distributed/workers.py), each writes its own slot table from it, and a step that reads the token buffer
+first copies rank 0's (only rank 0 samples) to every rank, in stream order like the rest of the forward.
+"""
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .attention import ForwardBatch, make_backend
 from .core import Req
 from .grammar import apply_grammar_masks
-from .memory import KVCache, ReqToTokenPool, SlotAllocator
+from .memory import DUMMY_ROW, KVCache
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
 from .sampling import sample, token_logprobs
 
 
 @dataclass
 class ScheduledBatch:
-    """What the scheduler decided for one forward. Slots for the new tokens are already allocated and written
-    into each request's row of the slot table."""
+    """One forward as flat arrays over its B requests and T new tokens. Request i's new tokens are the flat
+    range [extend_start[i], extend_start[i] + extend_lens[i]), at positions prefix_lens[i] onwards, writing KV
+    into out_slots over that range (allocated by the scheduler, which also wrote them into its host table).
+
+    `reqs` is there for the scheduler's processing and the sampler's per-request parameters; the runner never
+    walks it to build tensors. Input ids: a decode batch reads all of them from the device token buffer
+    (`input_ids` is empty); a prefill batch carries them, except for the requests in `from_buffer` (running
+    requests decoding inside a prefill: one token each, still on the device).
+    """
 
     reqs: list[Req]
     is_decode: bool
+    rows: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
+    input_ids: list[int]
     out_slots: torch.Tensor  # CPU int64 [T]
-    sample: list[bool]  # does the request sample a token in this forward (false for a non-final chunk)
+    sample: list[bool]  # does request i sample a token in this forward (false for a non-final chunk)
+    epochs: list[int]  # each request's Req.epoch when scheduled: a changed epoch marks its entry stale
+    from_buffer: list[int] = field(default_factory=list)
+    logprob_reqs: list[int] = field(default_factory=list)  # requests that asked for logprobs
+    # Slot-table writes other than the new tokens' (a resident request's adopted prefix): (row, start, slots).
+    table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def extend_start(self) -> list[int]:
+        return list(itertools.accumulate(self.extend_lens, initial=0))[:-1]
+
+    def select(self, idx: list[int]) -> "ScheduledBatch":
+        """The sub-batch of requests `idx` (in order), with their tokens and slots (failure bisection)."""
+        starts, pos = self.extend_start, {i: k for k, i in enumerate(idx)}
+        spans = [(starts[i], starts[i] + self.extend_lens[i]) for i in idx]
+        tok = [t for lo, hi in spans for t in range(lo, hi)]
+        return ScheduledBatch(
+            [self.reqs[i] for i in idx], self.is_decode, [self.rows[i] for i in idx],
+            [self.prefix_lens[i] for i in idx], [self.extend_lens[i] for i in idx],
+            [] if self.is_decode else [self.input_ids[t] for t in tok], self.out_slots[tok],
+            [self.sample[i] for i in idx], [self.epochs[i] for i in idx],
+            [pos[i] for i in self.from_buffer if i in pos], [pos[i] for i in self.logprob_reqs if i in pos],
+            self.table_writes)  # idempotent: every part re-applies them
 
 
-@dataclass
-class FlatBatch:
-    """One forward's inputs, flat over the batch's T tokens and B requests: everything a tensor-parallel rank needs
-    to run the same forward (distributed/workers.py broadcasts it), besides the batch's rows of the slot table."""
+class BatchBuilder:
+    """Accumulates a prefill batch's flat arrays, request by request."""
 
-    is_decode: bool
-    ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    out_slots: torch.Tensor  # CPU int64 [T]
-    rows: list[int]  # [B]
-    prefix_lens: list[int]  # [B]
-    extend_lens: list[int]  # [B]
-    seq_lens: list[int]  # [B]
-    starts: list[int]  # [B] offset of each request's first token in the flat order
-    logit_pos: list[int]  # [K] flat positions whose logits are returned
+    def __init__(self):
+        self.reqs, self.rows, self.prefix_lens, self.extend_lens, self.input_ids = [], [], [], [], []
+        self.slots, self.sample, self.epochs, self.from_buffer, self.logprob_reqs = [], [], [], [], []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def add(self, r: Req, prefix: int, ext: int, slots: torch.Tensor, sample: bool, from_buffer: bool = False):
+        """r's positions [prefix, prefix + ext). from_buffer: its one new token is its last sampled one, read
+        from the device token buffer (the host may not have it yet)."""
+        if from_buffer:
+            self.from_buffer.append(len(self.reqs))
+            self.input_ids.append(0)
+        else:
+            self.input_ids.extend(_tokens(r, prefix, prefix + ext))
+        if r.params.return_logprob:
+            self.logprob_reqs.append(len(self.reqs))
+        self.reqs.append(r)
+        self.rows.append(r.row)
+        self.prefix_lens.append(prefix)
+        self.extend_lens.append(ext)
+        self.slots.append(slots)
+        self.sample.append(sample)
+        self.epochs.append(r.epoch)
+
+    def build(self, table_writes) -> ScheduledBatch:
+        return ScheduledBatch(self.reqs, False, self.rows, self.prefix_lens, self.extend_lens, self.input_ids,
+                              torch.cat(self.slots), self.sample, self.epochs, self.from_buffer, self.logprob_reqs,
+                              table_writes)
+
+
+def decode_batch(reqs: list[Req], prefix_lens: list[int], slots: torch.Tensor, table_writes) -> ScheduledBatch:
+    n = len(reqs)
+    return ScheduledBatch(reqs, True, [r.row for r in reqs], prefix_lens, [1] * n, [], slots, [True] * n,
+                          [r.epoch for r in reqs], [], [i for i, r in enumerate(reqs) if r.params.return_logprob],
+                          table_writes)
 
 
 @dataclass
 class StepOutput:
     next_ids: list[int | None] = field(default_factory=list)
-    # per request: (logprob, top) of the sampled token, and [(position, logprob, top)] for prompt tokens
+    # per request: (logprob, top, by_id) of the sampled token, and [(position, logprob, top)] for prompt tokens
     out_logprobs: list = field(default_factory=list)
     in_logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class Launch:
+    """A launched step. Logits rows: first the sampled requests' (in batch order), then the prompt-logprob
+    positions of each request in `spans` (request, first position, count)."""
+
+    sb: ScheduledBatch
+    sampled: list[int]  # requests that sample, in batch order
+    spans: list[tuple[int, int, int]]
+    forward: Future  # -> (logits, device rows of the sampled requests)
+    tokens: Future | None = None  # -> (host tensor of sampled ids, CUDA event or None)
 
 
 def _tokens(r: Req, lo: int, hi: int) -> list[int]:
@@ -60,13 +151,43 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
     return r.input_ids[lo:hi] + r.output_ids[:max(0, hi - n)]
 
 
+class _Inline:
+    """Device work run at once on the calling thread; errors are kept in the future (raised by collect)."""
+
+    @staticmethod
+    def submit(fn, *args) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- handed to collect(), which re-raises it
+            fut.set_exception(e)
+        return fut
+
+    def close(self) -> None:
+        pass
+
+
+class _Worker:
+    """Device work run in submission order on one thread: the CPU's stand-in for a CUDA stream."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmc-forward")
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
                  mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False,
-                 tp=None):
+                 threaded: bool = False, tp=None):
         """`enable_torch_compile`: run forwards that are not CUDA-graph replays through torch.compile (compiled.py),
         compiling at construction (a warm-up forward per shape class) so no request waits for it.
+        `threaded`: run device work on a worker thread (CPU overlap scheduling; see the module docstring).
         `tp`: this rank's distributed.workers.RankShard under tensor parallelism (None: the whole model here);
         `weights` then yields safetensors slices, of which only this rank's pieces are read."""
         self.cfg = ModelConfig.from_hf(hf_config)
@@ -88,10 +209,13 @@ class ModelRunner:
             if max_total_tokens < context_length:
                 raise RuntimeError(f"only {max_total_tokens} KV tokens fit on {device}; lower the context length")
         self.kv = KVCache(c.num_layers, max_total_tokens, model.cfg.num_kv_heads, c.head_dim, dtype, device)
-        # One row more than can ever run: the last row stays all-zero (dummy slot 0) for CUDA-graph padding.
-        self.req_pool = ReqToTokenPool(max_running + 2, context_length, device)
-        self.dummy_row = self.req_pool.alloc()
-        self.allocator = SlotAllocator(max_total_tokens)
+        self.num_slots = max_total_tokens
+        # Rows: the dummy row 0, max_running decoding requests and one chunked prefill.
+        self.num_rows = max_running + 2
+        self.table = torch.zeros((self.num_rows, context_length), dtype=torch.int32, device=device)
+        self.token_buf = torch.zeros(self.num_rows, dtype=torch.long, device=device)
+        self._pinned = device.type == "cuda"
+        self._work = _Worker() if threaded else _Inline()
         self.step_model = model
         if enable_torch_compile:
             from .compiled import CompiledForward
@@ -99,7 +223,7 @@ class ModelRunner:
             self.step_model = CompiledForward(model)
             self._warm_up()
         self.graphs = None
-        if cuda_graph_max_bs and device.type == "cuda" and getattr(self.attn, "graph_safe", False):
+        if cuda_graph_max_bs and device.type == "cuda" and self.attn.supports_cuda_graph:
             from .cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
@@ -137,129 +261,161 @@ class ModelRunner:
             ext = [1] * n if decode else [n]  # n requests of one token, or one request of n tokens
             b = len(ext)
             batch = ForwardBatch(
-                is_decode=decode, rows=t([self.dummy_row] * b), prefix_lens=t([0] * b), extend_lens=t(ext),
+                is_decode=decode, rows=t([DUMMY_ROW] * b), prefix_lens=t([0] * b), extend_lens=t(ext),
                 seq_lens=t(ext), extend_start=t(list(range(b)) if decode else [0]), max_extend_len=max(ext),
                 max_seq_len=max(ext), positions=t([0] * n if decode else list(range(n))), out_slots=t([0] * n),
-                logits_index=t(list(range(b)) if decode else [n - 1]), kv_cache=self.kv,
-                req_to_token=self.req_pool.table, attn=self.attn)
+                logits_index=t(list(range(b)) if decode else [n - 1]), kv_cache=self.kv, req_to_token=self.table,
+                attn=self.attn)
             self.attn.prepare(batch)
             self.step_model(t([0] * n), batch)
 
-    def reset_memory(self) -> None:
-        """Mark every row and slot free (KV contents are simply overwritten later)."""
-        self.req_pool.reset()
-        self.dummy_row = self.req_pool.alloc()
-        self.allocator = SlotAllocator(self.allocator.num_slots)
-
     def close(self) -> None:
-        """Drop the CUDA graphs, KV buffers, slot table and weights (Engine.shutdown), and stop the
-        tensor-parallel workers; unusable afterwards."""
+        """Stop the worker thread, then the tensor-parallel workers; drop the CUDA graphs, KV buffers, tables and
+        weights (Engine.shutdown)."""
+        self._work.close()
         if self.tp is not None:
             self.tp.close()
-        self.graphs = self.kv = self.req_pool = self.model = None
+        self.graphs = self.kv = self.table = self.token_buf = self.model = self.step_model = None
 
+    # ---- the step --------------------------------------------------------------------------------------------
     def run(self, sb: ScheduledBatch) -> StepOutput:
-        logits, prompt_rows = self.forward(sb)
-        return self._postprocess(sb, logits, prompt_rows)
+        """launch, sample and collect in one go (no overlap)."""
+        h = self.launch(sb)
+        self.sample(h, sb.reqs)
+        return self.collect(h)
+
+    def launch(self, sb: ScheduledBatch) -> Launch:
+        ext, pre = sb.extend_lens, sb.prefix_lens
+        starts = sb.extend_start
+        sampled = [i for i, s in enumerate(sb.sample) if s]
+        logit_pos = [starts[i] + ext[i] - 1 for i in sampled]
+        spans = []  # prompt logprobs: position p predicts token p + 1, for tokens logprob_start .. len(input) - 1
+        for i in sb.logprob_reqs:
+            r = sb.reqs[i]
+            lo, hi = max(pre[i], r.logprob_start - 1), min(pre[i] + ext[i], len(r.input_ids) - 1)
+            if hi > lo:
+                spans.append((i, lo, hi - lo))
+                logit_pos.extend(range(starts[i] + lo - pre[i], starts[i] + hi - pre[i]))
+        tw = sb.table_writes
+        tw_rows = [row for row, _, s in tw for _ in range(len(s))]
+        tw_cols = [c for _, start, s in tw for c in range(start, start + len(s))]
+        fb = sb.from_buffer
+        ints = (sb.rows + pre + ext + starts + [sb.rows[i] for i in sampled] + logit_pos + sb.input_ids
+                + [sb.rows[i] for i in fb] + [starts[i] for i in fb] + tw_rows + tw_cols)
+        host = torch.cat([torch.tensor(ints, dtype=torch.long), sb.out_slots.long(),
+                          *[s.long() for _, _, s in tw]])
+        sizes = [len(sb)] * 4 + [len(sampled), len(logit_pos), len(sb.input_ids), len(fb), len(fb), len(tw_rows),
+                                 len(tw_cols), len(sb.out_slots), len(tw_rows)]
+        shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots))
+        forward = self._forward if self.tp is None else partial(self.tp.run_step, self._forward)
+        return Launch(sb, sampled, spans, self._work.submit(forward, host, sizes, shape))
 
     @torch.inference_mode()
-    def forward(self, sb: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
-        """Raw fp32 logits for, per request in order, its prompt-logprob positions then (if it samples) its last
-        position; and, per request, the logits rows of its prompt positions."""
-        reqs, dev = sb.reqs, self.device
-        ids, positions, logit_pos, starts = [], [], [], []
-        prompt_rows: list[list[int]] = []  # per request: row numbers in the logits of its prompt positions
-        for r, pre, ext, smp in zip(reqs, sb.prefix_lens, sb.extend_lens, sb.sample):
-            start = len(ids)
-            starts.append(start)
-            ids.extend(_tokens(r, pre, pre + ext))
-            positions.extend(range(pre, pre + ext))
-            # Position p predicts token p + 1; prompt logprobs cover tokens logprob_start .. len(input) - 1.
-            lo, hi = max(pre, r.logprob_start - 1), min(pre + ext, len(r.input_ids) - 1)
-            rows = []
-            for p in range(lo, hi):
-                rows.append(len(logit_pos))
-                logit_pos.append(start + p - pre)
-            prompt_rows.append(rows)
-            if smp:
-                logit_pos.append(start + ext - 1)
-        seq_lens = [p + e for p, e in zip(sb.prefix_lens, sb.extend_lens)]
-        flat = FlatBatch(sb.is_decode, ids, positions, sb.out_slots, [r.row for r in reqs], list(sb.prefix_lens),
-                         list(sb.extend_lens), seq_lens, starts, logit_pos)
-        if self.tp is not None:  # the workers run the same forward on their shards
-            return self.tp.run_step(flat, self.req_pool.table, self._execute), prompt_rows
-        return self._execute(flat), prompt_rows
-
-    @torch.inference_mode()
-    def _execute(self, flat: FlatBatch) -> torch.Tensor:
-        """The forward of one flat batch (a CUDA-graph replay for a decode that fits one): fp32 logits of its
-        `logit_pos` positions."""
-        if flat.is_decode and self.graphs is not None and len(flat.rows) <= self.graphs.max_bs:
-            return self.graphs.replay(flat.ids, flat.positions, flat.out_slots, flat.rows, flat.seq_lens)
-        to = dict(device=self.device, non_blocking=True)
+    def _forward(self, host: torch.Tensor, sizes: list[int], shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        is_decode, max_ext, max_seq, n_tok = shape
+        if self._pinned:
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
+        (rows, pre, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows, tw_cols, slots,
+         tw_vals) = torch.split(dev, sizes)
+        seq = pre + ext
+        if len(tw_rows):
+            self.table[tw_rows, tw_cols] = tw_vals.to(torch.int32)
+        if self.tp is not None and (is_decode or len(fb_rows)):
+            self.tp.share_tokens(self.token_buf)  # only rank 0 samples: the others read its buffer
+        if is_decode:
+            positions, tok_rows, ids = pre, rows, self.token_buf[rows]
+        else:
+            tok_rows = torch.repeat_interleave(rows, ext, output_size=n_tok)
+            positions = torch.arange(n_tok, device=self.device) - torch.repeat_interleave(
+                starts - pre, ext, output_size=n_tok)
+            if len(fb_rows):
+                ids = ids.clone()
+                ids[fb_pos] = self.token_buf[fb_rows]
+        self.table[tok_rows, positions] = slots.to(torch.int32)
+        if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
+            return self.graphs.replay(ids, positions, slots, rows, seq), sample_rows
         batch = ForwardBatch(
-            is_decode=flat.is_decode, rows=torch.tensor(flat.rows).to(**to),
-            prefix_lens=torch.tensor(flat.prefix_lens).to(**to), extend_lens=torch.tensor(flat.extend_lens).to(**to),
-            seq_lens=torch.tensor(flat.seq_lens).to(**to), extend_start=torch.tensor(flat.starts).to(**to),
-            max_extend_len=max(flat.extend_lens), max_seq_len=max(flat.seq_lens),
-            positions=torch.tensor(flat.positions).to(**to), out_slots=flat.out_slots.to(**to),
-            logits_index=torch.tensor(flat.logit_pos, dtype=torch.long).to(**to),
-            kv_cache=self.kv, req_to_token=self.req_pool.table, attn=self.attn)
+            is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,
+            max_extend_len=max_ext, max_seq_len=max_seq, positions=positions, out_slots=slots,
+            logits_index=logit_pos, kv_cache=self.kv, req_to_token=self.table, attn=self.attn)
         self.attn.prepare(batch)
-        return self.step_model(torch.tensor(flat.ids).to(**to), batch)
+        return self.step_model(ids, batch), sample_rows
+
+    def sample(self, h: Launch, grammar_reqs: list) -> None:
+        """Queue sampling of `h` after its forward. `grammar_reqs[i]`: the request whose grammar masks row i, or
+        None (no grammar, or an entry gone stale whose matcher has moved on)."""
+        if h.sampled:
+            h.tokens = self._work.submit(self._sample, h, [grammar_reqs[i] for i in h.sampled])
 
     @torch.inference_mode()
-    def _postprocess(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]]) -> StepOutput:
-        reqs, n = sb.reqs, len(sb.reqs)
-        # logits rows are ordered request by request: its prompt rows, then its sampling row.
-        sample_at: list[int | None] = []
-        k = 0
-        for rows, smp in zip(prompt_rows, sb.sample):
-            k += len(rows)
-            sample_at.append(k if smp else None)
-            k += smp
-        samplers = [i for i in range(n) if sample_at[i] is not None]
+    def _sample(self, h: Launch, grammar_reqs: list):
+        logits, sample_rows = h.forward.result()
+        n = len(h.sampled)
+        # Logprobs report the raw distribution: keep the raw rows when someone asks (masks apply in place).
+        x = logits[:n].clone() if h.sb.logprob_reqs else logits[:n]
+        reqs = [h.sb.reqs[i] for i in h.sampled]
+        apply_grammar_masks(x, grammar_reqs, self.cfg.vocab_size)
+        next_ids = sample(x, reqs, self.cfg.eos_token_ids)
+        self.token_buf[sample_rows] = next_ids
+        if not self._pinned:
+            return next_ids, None
+        out = torch.empty(n, dtype=next_ids.dtype, pin_memory=True)
+        out.copy_(next_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return out, done
+
+    def wait(self, h: Launch) -> None:
+        """Wait until h's device work has run, ignoring its errors (its results will not be used)."""
+        for fut in (h.forward, h.tokens):
+            if fut is not None:
+                fut.exception()
+        if self._pinned:
+            torch.cuda.current_stream().synchronize()
+
+    def collect(self, h: Launch) -> StepOutput:
+        logits, _ = h.forward.result()
+        n = len(h.sb)
         next_ids: list[int | None] = [None] * n
-        if samplers:
-            # advanced indexing copies, so the grammar mask and the penalties applied in place leave `logits` raw
-            rows_logits, rows_reqs = logits[[sample_at[i] for i in samplers]], [reqs[i] for i in samplers]
-            apply_grammar_masks(rows_logits, rows_reqs, self.cfg.vocab_size)
-            for i, t in zip(samplers, sample(rows_logits, rows_reqs, self.cfg.eos_token_ids).tolist()):
+        if h.tokens is not None:
+            ids, done = h.tokens.result()
+            if done is not None:
+                done.synchronize()
+            for i, t in zip(h.sampled, ids.tolist()):
                 next_ids[i] = t
         out = StepOutput(next_ids, [None] * n, [[] for _ in range(n)])
-        want = [i for i in range(n) if reqs[i].params.return_logprob]
-        if want:
-            self._logprobs(sb, logits, prompt_rows, sample_at, next_ids, want, out)
+        if h.sb.logprob_reqs:
+            self._logprobs(h, logits, out)
         return out
 
-    def _logprobs(self, sb: ScheduledBatch, logits: torch.Tensor, prompt_rows: list[list[int]],
-                  sample_at: list[int | None], next_ids: list[int | None], want: list[int], out: StepOutput) -> None:
-        """Logprobs of the prompt and sampled tokens of the requests in `want` (the ones that asked): one
-        log-softmax, one gather and one top-k over just their rows."""
-        rows, targets, spans = [], [], []  # spans: per wanted request, (first prompt position, #prompt, sampled?)
+    @torch.inference_mode()
+    def _logprobs(self, h: Launch, logits: torch.Tensor, out: StepOutput) -> None:
+        """Logprobs of the prompt and sampled tokens of the requests that asked: one log-softmax, one gather and
+        one top-k over just their rows."""
+        sb, rows, targets = h.sb, [], []
+        at = {i: j for j, i in enumerate(h.sampled)}
+        want = [i for i in sb.logprob_reqs if i in at]
         for i in want:
-            r, p_rows = sb.reqs[i], prompt_rows[i]
-            first = max(sb.prefix_lens[i], r.logprob_start - 1)
-            rows += p_rows
-            targets += r.input_ids[first + 1:first + 1 + len(p_rows)]
-            if sample_at[i] is not None:
-                rows.append(sample_at[i])
-                targets.append(next_ids[i])
-            spans.append((first, len(p_rows), sample_at[i] is not None))
+            rows.append(at[i])
+            targets.append(out.next_ids[i])
+        base = len(h.sampled)
+        for i, first, count in h.spans:
+            rows.extend(range(base, base + count))
+            targets.extend(sb.reqs[i].input_ids[first + 1:first + 1 + count])
+            base += count
         if not rows:
             return
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        top_n = max(sb.reqs[i].params.top_logprobs_num for i in want)
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        top_n = max(sb.reqs[i].params.top_logprobs_num for i in sb.logprob_reqs)
         chosen, tops = token_logprobs(logprobs, torch.tensor(targets, device=logits.device), top_n)
-        j = 0
-        for i, (first, n_prompt, sampled) in zip(want, spans):
-            r = sb.reqs[i]
-            n_top = r.params.top_logprobs_num
-            if n_prompt:
-                out.in_logprobs[i] = [(first + 1 + m, chosen[j + m], tops[j + m][:n_top]) for m in range(n_prompt)]
-            j += n_prompt
-            if sampled:
-                ids = r.params.token_ids_logprob
-                by_id = None if ids is None else list(zip(logprobs[j, ids].tolist(), ids))
-                out.out_logprobs[i] = (chosen[j], tops[j][:n_top], by_id)
-                j += 1
+        for j, i in enumerate(want):
+            p = sb.reqs[i].params
+            by_id = None if p.token_ids_logprob is None else list(zip(logprobs[j, p.token_ids_logprob].tolist(),
+                                                                      p.token_ids_logprob))
+            out.out_logprobs[i] = (chosen[j], tops[j][:p.top_logprobs_num], by_id)
+        j = len(want)
+        for i, first, count in h.spans:
+            n_top = sb.reqs[i].params.top_logprobs_num
+            out.in_logprobs[i] = [(first + 1 + m, chosen[j + m], tops[j + m][:n_top]) for m in range(count)]
+            j += count

@@ -1,10 +1,13 @@
 """Attention backends over the slot-indexed KV cache, and the per-forward batch description they read.
 
-A backend has `prepare(batch)` (once per forward: build whatever index/mask tensors every layer shares) and
-`forward(q, layer, batch) -> [T, H_q, D]`. The new tokens' K/V are already written to the cache when it runs.
+Every backend subclasses `AttentionBackend`: `prepare(batch)` (once per forward: build whatever index/mask tensors
+every layer shares) and `forward(q, layer, batch) -> [T, H_q, D]`. The new tokens' K/V are already written to the
+cache when it runs. Backends that can run inside a captured decode CUDA graph say so (`supports_cuda_graph`) and
+implement the capture / replay hooks that cuda_graph.py calls.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +37,36 @@ class ForwardBatch:
     sin: Any = None
 
 
-def make_backend(name: str, device: torch.device):
+class AttentionBackend(ABC):
+    """Attention over the KV cache through the slot table.
+
+    Invariants: `forward` reads K/V only at `req_to_token[rows[b], :seq_lens[b]]` (positions past a request's
+    length, and the dummy row 0, resolve to slots nobody relies on); it writes nothing but its output.
+    """
+
+    # True when prepare_capture() builds metadata that stays valid while only the contents of the batch's tensors
+    # change: a decode step can then be captured once per batch size and replayed (cuda_graph.py).
+    supports_cuda_graph: bool = False
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Once per forward, before the first layer: set `batch.meta` to whatever every layer shares."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, H_q, D] -> [T, H_q, D]."""
+
+    def prepare_capture(self, batch: ForwardBatch) -> None:
+        """Before capturing a decode graph over `batch`, whose tensors are the graph's static buffers (lengths
+        padded, `max_seq_len` the context length). Default: prepare()."""
+        self.prepare(batch)
+
+    def prepare_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        """Before each replay, once the static buffers hold the new step (the first `num_real` rows are real, the
+        rest padding on the dummy row). Default: nothing (prepare_capture's metadata is length-independent)."""
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto`: Triton on the GPU; on the CPU the paged C++ kernel, or the torch reference where it cannot be built."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ForwardBatch
+from . import AttentionBackend, ForwardBatch
 from .torch_backend import TorchAttention
 
 # Longest extend run by the kernel. Not tuned yet: short extends (decode, jump-forward, small chunks) stay on the
@@ -24,7 +24,7 @@ class _KernelArgs:
     scale: float
 
 
-class CpuAttention:
+class CpuAttention(AttentionBackend):
     def __init__(self, op):
         self.op = op
         self.reference = TorchAttention()

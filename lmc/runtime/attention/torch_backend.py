@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ForwardBatch
+from . import AttentionBackend, ForwardBatch
 
 
 @dataclass
@@ -18,7 +18,7 @@ class _Meta:
     mask: torch.Tensor  # [B, 1, Q_max, K_max] True where the query may attend the key
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         dev = batch.rows.device
         qmax, kmax = batch.max_extend_len, batch.max_seq_len

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from . import ForwardBatch
+from . import AttentionBackend, ForwardBatch
 from .triton_kernels import decode_attention, extend_attention
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     # prepare() derives nothing from the batch's lengths, so a decode forward can be captured in a CUDA graph
     # and replayed with new lengths written into the same tensors.
-    graph_safe = True
+    supports_cuda_graph = True
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.meta = batch.kv_cache.k[0].shape[-1] ** -0.5

@@ -1,10 +1,11 @@
 """One scheduler, N ranks: rank 0 is the engine's own ModelRunner; ranks 1..N-1 are worker processes
 (torch.multiprocessing, spawn), each holding its shard of the weights and of the KV cache.
 
-Each forward, rank 0 broadcasts the step's flat batch (runner.FlatBatch: token ids, positions, KV slots, slot-table
-rows, lengths) before running it; every worker writes the batch's slot-table rows into its own table and runs
-the same forward (`ModelRunner._execute`), so the ranks' collectives pair up. Only rank 0 samples: the logits are
-gathered to every rank (one all-gather, which CUDA graphs capture), the workers drop theirs.
+Each forward, rank 0 broadcasts the step as ModelRunner.launch packed it (one int64 tensor, its parts' sizes and
+the step's shape) before running it; every worker runs the same forward on it (`ModelRunner._forward`, which also
+writes the step's slots into the rank's own slot table), so the ranks' collectives pair up. Only rank 0 samples:
+the logits are gathered to every rank (one all-gather, which CUDA graphs capture), the workers drop theirs; a step
+that reads sampled ids from the token buffer broadcasts rank 0's buffer first (`RankShard.share_tokens`).
 
 Failure: a worker that dies (or any error once a step is under way: the ranks' collectives no longer pair up)
 fails the whole group. A watcher thread notices a worker's exit even while the engine idles and stops the other
@@ -35,7 +36,8 @@ from .plan import ShardPlan, TensorParallelError, local_config, plan_shards
 log = logging.getLogger(__name__)
 
 _STEP, _STOP = 1, 0
-_HEADER = 6  # command, is_decode, T (tokens), B (requests), K (logits rows), S (longest sequence)
+_SHAPE, _PARTS = 4, 13  # ModelRunner.launch's step shape and number of packed parts
+_HEADER = 1 + _SHAPE + _PARTS  # the command, the shape, the parts' sizes
 _START_TIMEOUT_S = 600.0
 
 
@@ -69,6 +71,10 @@ class RankShard:
         with torch.device("meta"):
             whole = LlamaForCausalLM(cfg)
         fill_dummy_sharded(model, whole, self.selector(cfg.head_dim), seed)
+
+    def share_tokens(self, token_buf: torch.Tensor) -> None:
+        """Rank 0's token buffer (the ids it sampled) into every rank's, on the forward's group."""
+        dist.broadcast(token_buf, 0)
 
     def agree_min(self, value: int) -> int:
         return self.comm.min_int(value)
@@ -115,13 +121,13 @@ class TensorParallel(RankShard):
     def failure(self) -> str | None:
         return self._failure
 
-    def run_step(self, flat, table: torch.Tensor, execute) -> torch.Tensor:
-        """Broadcast `flat` (and its rows of the slot table) to the workers, then run rank 0's forward."""
+    def run_step(self, forward, host: torch.Tensor, sizes: list[int], shape: tuple):
+        """Broadcast the packed step to the workers, then run rank 0's `forward` of it."""
         if self._failure is not None:
             raise TensorParallelFailure(self._failure)
         try:
-            _send_step(flat, table, self.comm)
-            return execute(flat)
+            _send_step(host, sizes, shape, self.comm)
+            return forward(host, sizes, shape)
         except Exception as e:
             self._fail(f"a tensor-parallel step broke off: {type(e).__name__}: {e}", wait_for_watcher=True)
             raise TensorParallelFailure(self._failure) from e
@@ -190,31 +196,17 @@ class TensorParallel(RankShard):
 
 
 # ---- the step on the wire -----------------------------------------------------------------------------------
-def _send_step(flat, table: torch.Tensor, comm: group.Comm) -> None:
-    n_seq = max(flat.seq_lens)
-    header = torch.tensor([_STEP, int(flat.is_decode), len(flat.ids), len(flat.rows), len(flat.logit_pos), n_seq],
-                          dtype=torch.int64)
+def _send_step(host: torch.Tensor, sizes: list[int], shape: tuple, comm: group.Comm) -> None:
+    header = torch.tensor([_STEP, *map(int, shape), *sizes], dtype=torch.int64)
     dist.broadcast(header, 0, group=comm.control)
-    host = torch.tensor(flat.ids + flat.positions + flat.out_slots.tolist() + flat.rows + flat.prefix_lens
-                        + flat.extend_lens + flat.seq_lens + flat.starts + flat.logit_pos, dtype=torch.int64)
     dist.broadcast(host, 0, group=comm.control)
-    rows = torch.tensor(flat.rows, dtype=torch.long, device=table.device)
-    dist.broadcast(table[rows, :n_seq].contiguous(), 0)
 
 
-def _recv_step(comm: group.Comm, table: torch.Tensor, header: list[int]):
-    from ..runner import FlatBatch
-
-    _, is_decode, n_tok, n_req, n_logits, n_seq = header
-    host = torch.empty(3 * n_tok + 5 * n_req + n_logits, dtype=torch.int64)
+def _recv_step(comm: group.Comm, header: list[int]) -> tuple[torch.Tensor, list[int], tuple]:
+    shape, sizes = header[1:1 + _SHAPE], header[1 + _SHAPE:]
+    host = torch.empty(sum(sizes), dtype=torch.int64)
     dist.broadcast(host, 0, group=comm.control)
-    rows_piece = torch.empty((n_req, n_seq), dtype=table.dtype, device=table.device)
-    dist.broadcast(rows_piece, 0)
-    parts = host.split([n_tok] * 3 + [n_req] * 5 + [n_logits])
-    ids, positions, out_slots, rows, prefix, extend, seq, starts, logit_pos = parts
-    table[rows.to(table.device), :n_seq] = rows_piece
-    return FlatBatch(bool(is_decode), ids.tolist(), positions.tolist(), out_slots, rows.tolist(), prefix.tolist(),
-                     extend.tolist(), seq.tolist(), starts.tolist(), logit_pos.tolist())
+    return host, sizes, (bool(shape[0]), *shape[1:])
 
 
 # ---- starting the group -------------------------------------------------------------------------------------
@@ -345,11 +337,10 @@ def _config(src):
 
 def _serve_steps(runner, comm: group.Comm) -> None:
     """Run every step rank 0 broadcasts, until it says stop."""
-    table = runner.req_pool.table
     while True:
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=comm.control)
         values = header.tolist()
         if values[0] == _STOP:
             return
-        runner._execute(_recv_step(comm, table, values))
+        runner._forward(*_recv_step(comm, values))

@@ -1,0 +1,174 @@
+"""CacheManager: owns the slot-table rows, the KV slots and the radix tree. Every change of who owns a slot
+happens here, so the slot accounting is written once.
+
+Slot accounting invariant (`check()`, after every step in tests): each slot 1..num_slots is exactly one of
+- free (in the allocator),
+- owned by the radix tree (evictable or protected),
+- owned by a resident request: its row positions [cache_protected_len, kv_len).
+Per resident request: cache_protected_len <= kv_done <= kv_len (core.Req), and its row's first
+cache_protected_len slots are the tree's slots for its first cache_protected_len tokens.
+
+Only KV that a completed forward computed (positions < kv_done) enters the tree: slots allocated for a forward
+still in flight are freed when their request lets go of them. Such a slot may be handed out again while the old
+forward still writes it; the new owner's forward runs after it on the device (one stream, or one worker thread),
+so the later write wins.
+
+The slot table exists twice. `table` here is the scheduler's host copy, the only one the scheduler reads. The
+runner's device copy receives every write: the slots of a batch's new tokens travel with that batch, and the
+other writes (a request adopting cached slots for its prefix) wait in `pending` and go with the next batch.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..core import Req
+from ..memory import RowAllocator, SlotAllocator
+from ..radix_cache import RadixCache
+
+
+class CacheManager:
+    def __init__(self, num_rows: int, context_length: int, num_slots: int, *, disabled: bool = False,
+                 stats: dict | None = None):
+        self.table = torch.zeros((num_rows, context_length), dtype=torch.int32)
+        self.rows = RowAllocator(num_rows)
+        self.slots = SlotAllocator(num_slots)
+        self.tree = RadixCache(self.slots.free, disabled=disabled)
+        self.pending: list[tuple[int, int, torch.Tensor]] = []
+        self.stats = stats if stats is not None else {"cache_seconds": 0.0}  # time spent in tree operations
+
+    @property
+    def room(self) -> int:
+        """Slots that can be had now: free plus evictable."""
+        return self.slots.available + self.tree.evictable_size
+
+    def take_pending(self) -> list[tuple[int, int, torch.Tensor]]:
+        out, self.pending = self.pending, []
+        return out
+
+    # ---- admission ---------------------------------------------------------------------------------------------
+    def match(self, key) -> tuple[torch.Tensor, object]:
+        t0 = time.perf_counter()
+        try:
+            return self.tree.match(key)
+        finally:
+            self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    def admit(self, r: Req) -> bool:
+        """Make r resident on its matched prefix (already locked by the caller): a row, the prefix's slots in it.
+        False when no row is free."""
+        row = self.rows.alloc()
+        if row is None:
+            return False
+        p = len(r.prefix_slots)
+        if p:
+            self.table[row, :p] = r.prefix_slots.to(torch.int32)
+            self.pending.append((row, 0, r.prefix_slots))
+        r.row, r.last_node = row, r.match_node
+        r.cache_protected_len = r.kv_done = r.kv_len = p
+        return True
+
+    def extend(self, r: Req, n: int) -> torch.Tensor:
+        """Allocate slots for r's next n positions (evicting cached prefixes if needed); they are r's now."""
+        slots = self._alloc(n)
+        self.table[r.row, r.kv_len:r.kv_len + n] = slots.to(torch.int32)
+        r.kv_len += n
+        return slots
+
+    def extend_each(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor]:
+        """One slot for the next position of each request (a decode step). Returns the positions and slots."""
+        slots = self._alloc(len(reqs))
+        positions = [r.kv_len for r in reqs]
+        self.table[torch.tensor([r.row for r in reqs]), torch.tensor(positions)] = slots.to(torch.int32)
+        for r in reqs:
+            r.kv_len += 1
+        return positions, slots
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        slots = self.slots.alloc(n)
+        if slots is None:
+            self.evict(n - self.slots.available)
+            slots = self.slots.alloc(n)
+        assert slots is not None, "admission budget admitted more than fits"
+        return slots
+
+    def evict(self, n: int) -> None:
+        if n > 0:
+            t0 = time.perf_counter()
+            self.tree.evict(n)
+            self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    # ---- progress and release ----------------------------------------------------------------------------------
+    def truncate(self, r: Req, keep: int) -> None:
+        """Drop r's KV past `keep` positions: free the slots r owns there (the tree's stay in the tree)."""
+        if keep < r.kv_len:
+            lo = max(keep, r.cache_protected_len)
+            if lo < r.kv_len:
+                self.slots.free(self.table[r.row, lo:r.kv_len].long())
+            r.kv_len, r.kv_done = keep, min(r.kv_done, keep)
+
+    def release(self, r: Req) -> None:
+        """Hand r's computed KV to the tree (duplicates of what the tree already holds are freed), free the slots
+        of positions not computed yet, unlock, free the row, and start a new epoch (its scheduled entries are
+        stale now)."""
+        r.epoch += 1
+        if r.row < 0:
+            return
+        t0 = time.perf_counter()
+        slots = self.table[r.row, :r.kv_len].long()
+        done, protected = r.kv_done, r.cache_protected_len
+        if self.tree.disabled:
+            self.slots.free(slots)
+        else:
+            already = self.tree.insert(r.fill_ids[:done], slots[:done])
+            self.slots.free(slots[protected:already])
+            self.slots.free(slots[max(done, protected):])
+            self.tree.unlock(r.last_node)
+        self.rows.free(r.row)
+        r.row, r.kv_len, r.kv_done, r.cache_protected_len, r.last_node = -1, 0, 0, 0, None
+        self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    def cache_unfinished(self, r: Req) -> None:
+        """Insert r's computed tokens into the tree while it keeps running (so requests queued behind it can
+        share them), adopt the tree's slots for positions it already held, and move r's lock to the new node."""
+        if self.tree.disabled:
+            return
+        t0 = time.perf_counter()
+        done, protected = r.kv_done, r.cache_protected_len
+        key = r.fill_ids[:done]
+        slots = self.table[r.row, :done].long()
+        already = self.tree.insert(key, slots)
+        canonical, node = self.tree.match(key)
+        if already > protected:
+            self.slots.free(slots[protected:already])
+            adopted = canonical[protected:already]
+            self.table[r.row, protected:already] = adopted.to(torch.int32)
+            self.pending.append((r.row, protected, adopted))
+        self.tree.lock(node)
+        self.tree.unlock(r.last_node)
+        r.last_node, r.cache_protected_len = node, done
+        self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    # ---- invariants --------------------------------------------------------------------------------------------
+    def check(self, resident: list[Req]) -> None:
+        """Every slot is exactly one of: free, in the tree, owned by a resident request (module docstring)."""
+        self.tree.check()
+        owned = [self.table[r.row, r.cache_protected_len:r.kv_len].long() for r in resident]
+        free = self.slots.free_slots()
+        parts = [free, self.tree.slots(), *owned]
+        every = torch.cat(parts)
+        total = self.slots.num_slots
+        assert len(free) + self.tree.total_size + sum(map(len, owned)) == total, "slot accounting drifted"
+        assert len(every) == total and torch.equal(every.sort().values, torch.arange(1, total + 1)), \
+            "a slot is lost or owned twice"
+        rows = [r.row for r in resident]
+        assert len(set(rows)) == len(rows) and min(rows, default=1) >= 1, "a row is owned twice (or the dummy)"
+        assert self.rows.available + len(rows) == self.rows.num_rows - 1, "a row is lost"
+        for r in resident:
+            assert r.last_node is not None
+            assert r.cache_protected_len <= r.kv_done <= r.kv_len <= r.seq_len, "KV lengths out of order"
+            if not self.tree.disabled:
+                tree_slots = self.tree.peek(r.fill_ids[:r.cache_protected_len])
+                assert torch.equal(tree_slots, self.table[r.row, :r.cache_protected_len].long()), \
+                    "a request's shared prefix disagrees with the tree"

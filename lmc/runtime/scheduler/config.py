@@ -1,0 +1,24 @@
+"""Scheduler configuration and the constants of SGLang's admission rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CLIP_NEW_TOKENS = 4096  # cap on the per-request output estimate used by admission (SGLang's constant)
+IN_BATCH_CHECK = 32  # requests matching at most this many cached tokens are checked against the batch...
+IN_BATCH_DEPRIORITIZE = 32  # ...and wait a step if a request admitted earlier carries >= this many of their tokens
+MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward extends at most this long
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "lpm"
+    max_running: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    retract_reserve_steps: int = 20
+    # Ablation knob (benchmarks only, the paper's Figure 8): the share of requests, drawn by the scheduler's seeded
+    # RNG when they arrive, whose cached prefix is ignored, so the hit rate drops while everything else is unchanged.
+    match_drop_rate: float = 0.0

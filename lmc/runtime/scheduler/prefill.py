@@ -1,0 +1,152 @@
+"""Prefill admission: which waiting requests enter the next forward, and how many of their tokens.
+
+The waiting queue is matched against the radix tree and ordered by the policy. Requests are taken in that order
+while the budgets hold (SGLang's PrefillAdder):
+- `max_prefill_tokens` new tokens per batch (the first request is always taken) and `chunked_prefill_size` per
+  batch; a request longer than what is left is prefilled in chunks, at most one such request at a time, and its
+  next chunk goes first in the next prefill;
+- KV room: free + evictable slots minus what the running requests are expected to still need
+  (`new_token_ratio` x their remaining tokens, clipped at CLIP_NEW_TOKENS each);
+- `max_running` requests, and a free slot-table row.
+In-batch prefix dedup (cache-aware policies): a request whose prefix another request of this batch is about to
+compute waits a step, then hits the cache. A batch of short jump-forward extends carries the running requests'
+decode step too (mixing), so a jump costs no extra forward.
+
+A request whose last chunk is scheduled joins `running` at once, before its forward has run: with overlap the
+next decode step is scheduled while this prefill is still in flight, and reads its first token on the device.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Req
+from ..radix_cache import RadixCache
+from ..runner import BatchBuilder, ScheduledBatch
+from .config import CLIP_NEW_TOKENS, IN_BATCH_CHECK, IN_BATCH_DEPRIORITIZE, MIX_MAX_EXTEND
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def est_new(r: Req) -> int:
+    """Admission's estimate of the tokens r may still generate."""
+    return min(r.params.max_new_tokens - len(r.output_ids), CLIP_NEW_TOKENS)
+
+
+def match(s: "Scheduler", r: Req) -> None:
+    """Longest cached prefix usable by `r`: at least one token is always recomputed (its logits are needed),
+    and the positions of prompt logprobs not recorded yet are recomputed too."""
+    if r.match_version == s.cache.version:
+        return  # nothing was inserted or evicted since: the match still holds (LPM stays cheap under load)
+    limit = len(r.fill_ids) - 1
+    if r.next_prompt_logprob < len(r.input_ids):
+        limit = min(limit, max(r.next_prompt_logprob - 1, 0))
+    if r in s.no_match and r.computed_tokens == 0:
+        limit = 0  # ablation: compute the whole prompt (the empty key matches the root)
+    r.prefix_slots, r.match_node = s.memory.match(r.fill_ids[:limit])
+    r.match_version = s.cache.version
+
+
+class PrefillAdder:
+    """The budgets of one prefill batch and the batch being built."""
+
+    def __init__(self, s: "Scheduler"):
+        self.s, self.mem = s, s.memory
+        self.batch = BatchBuilder()
+        self.rem_input, self.rem_chunk = s.cfg.max_prefill_tokens, s.cfg.chunked_prefill_size
+        self.reserved = sum(est_new(r) for r in s.running) * s.new_token_ratio
+        self.joins: list[Req] = []  # requests whose last chunk is in this batch and that will decode after it
+
+    def take(self, r: Req, ext: int) -> None:
+        pre = r.kv_len
+        last = pre + ext == len(r.fill_ids)
+        self.batch.add(r, pre, ext, self.mem.extend(r, ext), last and r.params.max_new_tokens > 0)
+        self.rem_input -= ext
+        self.rem_chunk -= ext
+        if last:
+            self.reserved += est_new(r)
+            if r.params.max_new_tokens > 0:
+                self.joins.append(r)
+
+    def try_admit(self, r: Req, ext: int, chunk: bool) -> bool:
+        """Give r a row and lock its cached prefix if its `ext` new tokens plus its expected outputs fit the
+        budget. On an idle engine the first request only needs its tokens to fit at all."""
+        s, mem = self.s, self.mem
+        idle = not len(self.batch) and not s.running
+        mem.tree.lock(r.match_node)
+        room = mem.room
+        need = ext + (0 if chunk else est_new(r))
+        if ((idle and ext <= room) or need <= room - self.reserved) and mem.admit(r):
+            # Prompt tokens served from the cache that r did not compute itself earlier. Output tokens found in the
+            # cache (after a jump-forward, another request may have cached the same forced text) are no prompt
+            # cache hit: cached_tokens <= prompt_tokens.
+            p = len(r.prefix_slots)
+            fresh = max(0, min(p, len(r.input_ids)) - r.computed_tokens)
+            r.cached_tokens += fresh
+            s.stats["cached_tokens"] += fresh
+            s.stats["prompt_tokens"] += len(r.input_ids) if r.computed_tokens == 0 else 0
+            return True
+        mem.tree.unlock(r.match_node)
+        return False
+
+
+def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
+    if s.chunked is None and not s.waiting:
+        return None
+    if s.chunked is None and (len(s.running) >= s.cfg.max_running or not s.memory.rows.available):
+        return None  # nothing could be admitted: skip matching the queue
+    for r in s.waiting:
+        match(s, r)
+    order = s.policy.order(s.waiting, s.policy_context) if not s.cache.disabled else list(s.waiting)
+    add = PrefillAdder(s)
+    if s.chunked is not None:  # the in-flight chunked request continues first
+        r = s.chunked
+        ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
+        if ext > 0:
+            add.take(r, ext)
+            if r.kv_len == len(r.fill_ids):
+                s.chunked = None
+    sim = RadixCache() if s.shares_prefixes_in_batch else None
+    admitted: set[Req] = set()
+    for r in order:
+        if len(s.running) + len(add.batch) >= s.cfg.max_running or not s.memory.rows.available:
+            break
+        if add.rem_chunk <= 0 or (len(add.batch) and add.rem_input <= 0):
+            break
+        match(s, r)  # again: allocations for requests admitted before r may have evicted its old match
+        matched = len(r.prefix_slots)
+        if sim is not None and matched <= IN_BATCH_CHECK:
+            in_batch, _ = sim.match(r.fill_ids)
+            if len(add.batch) and len(in_batch) >= IN_BATCH_DEPRIORITIZE:
+                continue  # a request in this batch computes this prefix; share it next step
+        ext = len(r.fill_ids) - matched
+        chunk = ext > add.rem_chunk
+        if chunk and s.chunked is not None:
+            break  # one chunked request at a time
+        ext = min(ext, add.rem_chunk)
+        if not add.try_admit(r, ext, chunk):
+            break
+        if chunk:
+            s.chunked = r
+        admitted.add(r)
+        if sim is not None:
+            sim.insert(r.fill_ids, torch.zeros(len(r.fill_ids), dtype=torch.int64))
+        add.take(r, ext)
+    if admitted:
+        s.waiting = [r for r in s.waiting if r not in admitted]
+    if not len(add.batch):
+        return None
+    b = add.batch
+    if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
+            and all(r.jumps and r.computed_tokens for r in b.reqs)
+            and s.memory.room >= len(s.running)):
+        # Only short jump-forward extends to prefill: the running requests decode in the same forward (as
+        # 1-token extends, their input token read on the device), so a jump costs its request no extra forward
+        # and the others no stall.
+        for r in s.running:
+            b.add(r, r.kv_len, 1, s.memory.extend(r, 1), True, from_buffer=True)
+        s.stats["mixed_forwards"] += 1
+    s.running.extend(add.joins)
+    return b.build(s.memory.take_pending())
