@@ -117,6 +117,21 @@ def test_prefix_cache_hits_and_flush(engine):
     assert c["meta_info"]["cached_tokens"] == 0 and c["output_ids"] == b["output_ids"]
 
 
+def test_a_batch_shares_a_prefix_beyond_what_is_cached(engine):
+    """Requests that already match a cached header still share the longer prefix a batch-mate computes in the same
+    step: one computes it, the others wait a step and find it cached (SGLang checks only requests with <= 32 cached
+    tokens, which recomputes it per request)."""
+    engine.flush_cache()
+    header = "System: you answer questions about geography and capitals of the world. " * 3
+    engine.generate(header + "Warm-up.", GREEDY)
+    block = "Examples: France has Paris. Spain has Madrid. Italy has Rome. Japan has Tokyo. Peru has Lima. " * 2
+    outs = engine.generate([header + block + q for q in ("Chile?", "Kenya?", "Nepal?", "Ghana?")], GREEDY)
+    n_header, n_block = (len(engine.tokenizer.encode(t)) for t in (header, header + block))
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    assert cached[0] >= n_header - 2, cached  # the first one computes the block on top of the cached header
+    assert all(c >= n_block - 2 for c in cached[1:]), (cached, n_block)  # the others find the block cached
+
+
 def test_async_generate_batches_tasks(engine):
     async def main():
         prompts = [f"Item {i}: the color of the sky is" for i in range(6)]

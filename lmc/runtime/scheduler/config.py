@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CLIP_NEW_TOKENS = 4096  # cap on the per-request output estimate used by admission (SGLang's constant)
-IN_BATCH_CHECK = 32  # requests matching at most this many cached tokens are checked against the batch...
-IN_BATCH_DEPRIORITIZE = 32  # ...and wait a step if a request admitted earlier carries >= this many of their tokens
+# A request waits a step when requests admitted before it in this batch carry at least this many of its tokens
+# beyond its cached match. SGLang checks only requests matching <= 32 cached tokens; lmc checks every request, so
+# programs sharing a cached header still share the longer prefix their batch-mates compute (suite: mmlu computed
+# one 26-token subject block 4 times per program under SGLang's rule).
+IN_BATCH_DEPRIORITIZE = 32
 MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward extends at most this long
 
 

@@ -24,7 +24,7 @@ import torch
 from ..core import Req
 from ..radix_cache import RadixCache
 from ..runner import BatchBuilder, ScheduledBatch
-from .config import CLIP_NEW_TOKENS, IN_BATCH_CHECK, IN_BATCH_DEPRIORITIZE, MIX_MAX_EXTEND
+from .config import CLIP_NEW_TOKENS, IN_BATCH_DEPRIORITIZE, MIX_MAX_EXTEND
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -117,9 +117,9 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
             break
         match(s, r)  # again: allocations for requests admitted before r may have evicted its old match
         matched = len(r.prefix_slots)
-        if sim is not None and matched <= IN_BATCH_CHECK:
+        if sim is not None and len(add.batch):
             in_batch, _ = sim.match(r.fill_ids)
-            if len(add.batch) and len(in_batch) >= IN_BATCH_DEPRIORITIZE:
+            if len(in_batch) - matched >= IN_BATCH_DEPRIORITIZE:
                 continue  # a request in this batch computes this prefix; share it next step
         ext = len(r.fill_ids) - matched
         chunk = ext > add.rem_chunk
