@@ -70,6 +70,9 @@ class CompiledProgram:
         self._graphs: dict[str, ProgramGraph] = {}
         # (concrete arguments, resume operation) -> the segments traced from there, each behind its guards
         self._segments: dict[tuple[str, int], list[Segment]] = {}
+        # (concrete arguments, resume operation) -> resolved when the trace running from there is done; touched on
+        # the frontend loop only (every instance runs there)
+        self._tracing: dict[tuple[str, int], asyncio.Future] = {}
         self._callees: dict[Program, CompiledProgram] = {}
         self._lock = threading.Lock()
         self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0}
@@ -93,14 +96,15 @@ class CompiledProgram:
                 self._graphs[key] = g
             return self._graphs[key]
 
-    def segment(self, concrete: dict, resume: Resume) -> ProgramGraph:
-        """The segment after a break for an instance at `resume`: a cached one whose guards hold, or a new trace."""
-        key = (_key(concrete), resume.ops)
+    def _cached_segment(self, key: tuple[str, int], resume: Resume) -> ProgramGraph | None:
         with self._lock:
             for seg in self._segments.get(key, []):
                 if _guards_hold(seg.guards, resume):
                     self.stats["segment_reuses"] += 1
                     return seg.graph
+        return None
+
+    def _trace_into_cache(self, key: tuple[str, int], concrete: dict, resume: Resume) -> ProgramGraph:
         seg = trace_segment(self.program, concrete, resume)
         self._optimize(seg.graph)
         with self._lock:
@@ -109,6 +113,30 @@ class CompiledProgram:
                 cached.append(seg)
             self.stats["segments_traced"] += 1
         return seg.graph
+
+    async def segment(self, concrete: dict, resume: Resume) -> ProgramGraph:
+        """The segment after a break for an instance at `resume`: a cached one whose guards hold, or a new trace.
+
+        Single-flight per resume point: while one instance traces from a resume point, the others that reach it
+        wait (on the frontend loop, holding no thread) and then look in the cache again, so instances that read the
+        same values trace the segment once. A waiter never takes on another's failure: if that trace raised, the
+        waiter traces for itself (and meets its own error, if it is one)."""
+        key = (_key(concrete), resume.ops)
+        while True:
+            found = self._cached_segment(key, resume)
+            if found is not None:
+                return found
+            inflight = self._tracing.get(key)
+            if inflight is None:
+                break
+            await inflight  # resolved (never failed) when that trace is done, whatever its outcome
+        done = asyncio.get_running_loop().create_future()
+        self._tracing[key] = done
+        try:
+            return await asyncio.to_thread(self._trace_into_cache, key, concrete, resume)
+        finally:
+            del self._tracing[key]
+            done.set_result(None)
 
     def _split(self, kwargs: dict) -> tuple[dict, dict]:
         """(concrete, symbolic) arguments: text stays symbolic, anything else specialises the graph."""
@@ -242,7 +270,7 @@ class CompiledProgram:
                 await asyncio.get_running_loop().run_in_executor(_INTERPRETERS, interpret_rest, self.program, stream,
                                                                  resume, kwargs)
                 break
-            g = await asyncio.to_thread(self.segment, concrete, resume)
+            g = await self.segment(concrete, resume)
         return ProgramState(stream)
 
     def plan_for(self, target: Target, **concrete) -> Plan:
