@@ -16,7 +16,7 @@ from ..frontend.program import Program, _failed_state, _progress, resolve_backen
 from ..frontend.state import ProgramState, Stream, frontend_loop
 from ..ir import ProgramGraph
 from ..passes import constant_prefix
-from ..passes.cost import estimate
+from ..passes.cost import estimate, first_prompts, token_aligned_hint
 from ..protocol import NO_CAPABILITIES, Capabilities, ChatTemplate, capabilities
 from .executor import Plan, run_segment
 from .interpret import interpret_rest
@@ -161,7 +161,10 @@ class CompiledProgram:
         stats = self._optimize(g, Target("local", tmpl, tokenizer, NO_CAPABILITIES if tokenizer is None
                                          else Capabilities(token_id_selects=True)))
         batch_prefix = "batch_prefix" in stats
-        prefix = constant_prefix(g, tmpl) if batch_prefix else ""
+        inst = examples or [{}, {}]
+        prefix = constant_prefix(g, tmpl, examples) if batch_prefix else ""
+        if prefix and tokenizer is not None:  # the hint the engine can serve whole: cut to a token boundary
+            prefix = token_aligned_hint(prefix, first_prompts(g, tmpl, inst), tokenizer.encode)
         commits = stats.get("fork_commit", {}).get("plan", {}).get("commits", {})
         speculation = stats.get("api_speculation", {"completion_groups": [], "chat_groups": []})
         count = (lambda t: len(tokenizer.encode(t))) if tokenizer is not None else len
@@ -179,9 +182,6 @@ class CompiledProgram:
             lowered = stats.get("select_lowering", {}).get("plan", {}).get("select_tokens", {})
             report["select_lowering"] = {f"%{n}": len(ids) for n, ids in sorted(lowered.items())}
             tok = lambda t: tokenizer.encode(t)  # noqa: E731
-            inst = examples or [{}, {}]
-            if examples and batch_prefix:
-                prefix = constant_prefix(g, tmpl, examples)
             report["cost"] = {
                 "no_cache": estimate(g, tmpl, tok, inst, cache=False).as_dict(),
                 "radix_cache": estimate(g, tmpl, tok, inst).as_dict(),

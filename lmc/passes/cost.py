@@ -59,11 +59,41 @@ def estimate(g: ProgramGraph, template, tokenize, instances: list[dict], cache: 
 
     if batch_prefix:
         call(batch_prefix)  # the hoisted prefill is a call of its own
+    _replay(g, template, instances, call, fork_commits or {}, lowered_selects)
+    return cost
+
+
+def first_prompts(g: ProgramGraph, template, instances: list[dict]) -> list[str]:
+    """Each instance's first model call's prompt (the cost model's placeholders for arguments not given)."""
+    prompts: list[list[str]] = []
+
+    def call(prompt: str) -> None:
+        prompts[-1].append(prompt)
+
+    _replay(g, template, instances, call, {}, frozenset(), before_each=lambda: prompts.append([]))
+    return [p[0] for p in prompts if p]
+
+
+def token_aligned_hint(hint: str, prompts: list[str], tokenize) -> str:
+    """The longest start of a prefill hint whose tokens begin every prompt's tokens. A hint cut inside a token
+    ("Q: " where the prompts go on "Q: What", a space token against " What") leaves its last token one that no
+    prompt matches: prefilled for nothing, every time the hint is sent."""
+    wanted = [tokenize(p) for p in prompts]
+    cut = hint
+    while cut:
+        tokens = tokenize(cut)
+        if all(w[:len(tokens)] == tokens for w in wanted):
+            return cut
+        cut = cut[:-1]
+    return ""
+
+
+def _replay(g, template, instances, call, commits, lowered, before_each=lambda: None) -> None:
     for i, args in enumerate(instances):
         args = {**{p: f"<{p} #{i}>" for p in g.params}, **args}  # placeholders differ between instances
-        _walk(g, next((r for r in g.roots() if g.node(r).stream == 0), None), "", args, call, template,
-              fork_commits or {}, lowered_selects)
-    return cost
+        before_each()
+        _walk(g, next((r for r in g.roots() if g.node(r).stream == 0), None), "", args, call, template, commits,
+              lowered)
 
 
 def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
