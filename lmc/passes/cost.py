@@ -50,11 +50,17 @@ def estimate(g: ProgramGraph, template, tokenize, instances: list[dict], cache: 
              lowered_selects: frozenset[int] = frozenset()) -> Cost:
     cost, trie = Cost(), _Trie()
 
-    def call(prompt: str) -> None:
+    def call(prompt: str, scored_from: str | None = None) -> None:
+        """One request. As the engine's scheduler does, at least its last token is recomputed (its logits are
+        needed), and so is every position whose logprob it returns: a select scores its choices from two tokens
+        before the end of `scored_from`, the prompt without the choice (lmc.backend.local)."""
         tokens = tokenize(prompt)
         cost.calls += 1
         cost.prompt_tokens += len(tokens)
-        hit = trie.match_insert(tokens)
+        limit = len(tokens) - 1
+        if scored_from is not None:
+            limit = min(limit, max(len(tokenize(scored_from)) - 3, 0))
+        hit = min(trie.match_insert(tokens), max(limit, 0))
         cost.cached_tokens += hit if cache else 0
 
     if batch_prefix:
@@ -67,7 +73,7 @@ def first_prompts(g: ProgramGraph, template, instances: list[dict]) -> list[str]
     """Each instance's first model call's prompt (the cost model's placeholders for arguments not given)."""
     prompts: list[list[str]] = []
 
-    def call(prompt: str) -> None:
+    def call(prompt: str, scored_from: str | None = None) -> None:
         prompts[-1].append(prompt)
 
     _replay(g, template, instances, call, {}, frozenset(), before_each=lambda: prompts.append([]))
@@ -106,6 +112,8 @@ def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
         elif node.kind == "arg":
             text += str(args[a["name"]])
         elif node.kind == "role_begin":
+            if a["role"] != "system" and not text:  # what the stream sends: the template's default system turn
+                text += template.default_system
             text += template.prefix[a["role"]]
         elif node.kind == "role_end":
             text += template.suffix[a["role"]]
@@ -118,7 +126,7 @@ def _walk(g, nid, text, args, call, template, commits, lowered) -> str:
             text += " x" * int(a["params"].get("max_new_tokens", 16))
         elif node.kind == "select":
             for choice in ([""] if nid in lowered else a["choices"]):  # lowered: one call scores every choice
-                call(text + choice)
+                call(text + choice, scored_from=text)
             text += a["choices"][0]
         elif node.kind == "var":
             text += " x" * 8
