@@ -1,7 +1,10 @@
 """Cost model: model calls, prefill tokens and cached tokens for a batch of program instances, estimated with
 the real tokenizer by replaying the graph's prompts against a simulated prefix cache.
 
-Arguments take example values (or a placeholder), a gen's output is estimated by `max_new_tokens` filler tokens.
+The prompts are what the stream sends (the template's default system turn included), and the cache replay follows
+the engine's scheduler (the last token, and the positions a select scores, are recomputed); tests/test_golden.py
+checks the counts against the engine's own. Arguments take example values (or a placeholder), a gen's output is
+estimated by `max_new_tokens` filler tokens.
 Graphs with branches are costed along their first outcome; costing stops at a graph break (what follows depends on
 run-time values).
 """
