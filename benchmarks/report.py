@@ -238,7 +238,8 @@ def render_compiler(r: dict, _dir: Path) -> str:
                      f"{count(i['prefill_tokens'])} -> {count(c['prefill_tokens'])}",
                      f"{count(i['forwards'])} -> {count(c['forwards'])}",
                      "yes" if e["same_variables_and_text"] else "**no**",
-                     f"{seg['segments_traced']} / {seg['segment_reuses']}",
+                     f"{seg['segments_traced']} / {seg['segment_reuses']}"
+                     + (f" ({num(seg['trace_seconds'])} s)" if "trace_seconds" in seg else ""),
                      f"{num(e['load_avg_1m']['start'])} -> {num(e['load_avg_1m']['end'])}" if "load_avg_1m" in e
                      else "not recorded"])
     cfg = r["config"]
@@ -254,7 +255,8 @@ def render_compiler(r: dict, _dir: Path) -> str:
         "of the two medians, then the per-repetition ratios; prefill tokens (prompt tokens not served by the cache) "
         "and engine forwards are exact counts, interpreted -> compiled. *Same output*: identical variables and text "
         "in every repetition. *Segments*: compiled segments traced / reused from the segment cache over the whole "
-        "run (host code between graph breaks runs in Python). Plot: `results/compiler_examples.png`.\n",
+        "run (host code between graph breaks runs in Python), with the seconds spent tracing them and running the "
+        "passes on them (the compiler's own cost, warm-up included). Plot: `results/compiler_examples.png`.\n",
         command(r), "",
         table(["example", "interpreted (programs/s)", "compiled (programs/s)", "compiled / interpreted",
                "prefill tokens", "forwards", "same output", "segments traced / reused", "load (1 min)"], rows),

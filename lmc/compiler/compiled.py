@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -75,7 +76,9 @@ class CompiledProgram:
         self._tracing: dict[tuple[str, int], asyncio.Future] = {}
         self._callees: dict[Program, CompiledProgram] = {}
         self._lock = threading.Lock()
-        self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0}
+        # trace_seconds: wall time spent tracing segments and running the pass pipeline on them (the compiler's
+        # own cost, paid once per path: a segment reused from the cache costs only its guard check)
+        self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0, "trace_seconds": 0.0}
 
     def __repr__(self) -> str:
         return f"<compiled {self.program!r}>"
@@ -91,9 +94,11 @@ class CompiledProgram:
         key = _key(concrete)
         with self._lock:
             if key not in self._graphs:
+                start = time.perf_counter()
                 g = trace_segment(self.program, concrete).graph
                 self._optimize(g)
                 self._graphs[key] = g
+                self.stats["trace_seconds"] += time.perf_counter() - start
             return self._graphs[key]
 
     def _cached_segment(self, key: tuple[str, int], resume: Resume) -> ProgramGraph | None:
@@ -105,6 +110,7 @@ class CompiledProgram:
         return None
 
     def _trace_into_cache(self, key: tuple[str, int], concrete: dict, resume: Resume) -> ProgramGraph:
+        start = time.perf_counter()
         seg = trace_segment(self.program, concrete, resume)
         self._optimize(seg.graph)
         with self._lock:
@@ -112,6 +118,7 @@ class CompiledProgram:
             if len(cached) < SEGMENT_CACHE_SIZE:  # beyond it, paths that rarely repeat are traced, not kept
                 cached.append(seg)
             self.stats["segments_traced"] += 1
+            self.stats["trace_seconds"] += time.perf_counter() - start
         return seg.graph
 
     async def segment(self, concrete: dict, resume: Resume) -> ProgramGraph:
