@@ -112,7 +112,7 @@ def main():
     past = (lambda: time.time() >= deadline) if deadline else (lambda: False)
     backend = lmc.Local(device=args.device)
     results = {"config": {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
-                          "machine": platform.node()},
+                          "machine": platform.node(), "order": "swapped every repetition"},
                "provenance": provenance("benchmarks/compiler_bench.py", args.note), "examples": {}, "not_run": []}
     for name in names:
         if past():

@@ -249,9 +249,9 @@ def render_compiler(r: dict, _dir: Path) -> str:
         "## Compiler: the examples compiled vs interpreted (CPU, embedded model)\n",
         f"Each program of `examples/` as `run_batch` of {cfg['n']} instances ({cfg['device']}), interpreted "
         "(`prog.run_batch`) and compiled (`prog.compile()`, warmed by one batch so its segment cache is what a "
-        f"user's second batch sees), alternating (the order swapped every time) within each of {cfg['repeat']} "
-        "repetitions; the radix cache is "
-        "flushed before every run, at temperature 0. Programs/s as median (min-max, runs); the ratio as the ratio "
+        f"user's second batch sees), alternating within each of {cfg['repeat']} repetitions"
+        + (" (the order swapped every time)" if cfg.get("order") == "swapped every repetition" else "")
+        + "; the radix cache is flushed before every run, at temperature 0. Programs/s as median (min-max, runs); the ratio as the ratio "
         "of the two medians, then the per-repetition ratios; prefill tokens (prompt tokens not served by the cache) "
         "and engine forwards are exact counts, interpreted -> compiled. *Same output*: identical variables and text "
         "in every repetition. *Segments*: compiled segments traced / reused from the segment cache over the whole "
