@@ -1,19 +1,25 @@
 """Compiled vs interpreted: the example programs themselves (examples/), run_batch of N instances each, on the
 embedded model.
 
-For every example the two modes alternate (interpreted, compiled, interpreted, ...) R times each, the radix
-cache flushed before every run; recorded per mode: programs/s as a record.spread of the runs, and prefill tokens
+For every example the two modes alternate R times each, the order swapped every repetition (interpreted then
+compiled, then compiled then interpreted, ...) so that drift in the machine's load hits both, the radix cache
+flushed before every run; recorded per mode: programs/s as a record.spread of the runs, and prefill tokens
 (prompt tokens not served by the cache) and engine forwards as record.exact (a spread only if a run differed); per
 example the compiled / interpreted ratio of each repetition (a spread) and the ratio of the two medians. The interpreted side
 is the interpreter as a user runs it (`prog.run_batch`); the compiled side is `prog.compile()` once per example,
 warmed by one batch (its tracing and segment cache are then what a user's second batch sees), run with the same
 `run_batch`. Every run checks that both modes give the same variables (temperature 0).
 
-    python benchmarks/compiler_bench.py [--n 32] [--repeat 5] [--only judge,react_agent] [--out PATH]
+With --deadline HH:MM (UTC), no example starts after that time and no repetition starts once it has passed:
+the examples not run are listed under "not_run", and each example's spreads show how many runs they hold.
+
+    python benchmarks/compiler_bench.py [--n 32] [--repeat 5] [--only judge,react_agent] [--deadline 13:45]
+                                        [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
+import calendar
 import importlib.util
 import json
 import os
@@ -81,21 +87,37 @@ def summary(runs: list[dict]) -> dict:
             "forwards": exact([r["forwards"] for r in runs])}
 
 
+def _deadline(hhmm: str) -> float:
+    """Today's HH:MM UTC as a timestamp."""
+    hours, minutes = (int(x) for x in hhmm.split(":"))
+    now = time.gmtime()
+    return calendar.timegm((now.tm_year, now.tm_mon, now.tm_mday, hours, minutes, 0))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32, help="instances per run_batch")
     ap.add_argument("--repeat", type=int, default=5, help="runs per mode (alternating)")
     ap.add_argument("--only", default=None, help="comma-separated examples (default: all seven)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--deadline", default=None, help="HH:MM UTC: start no example or repetition after it")
     ap.add_argument("--note", default="", help="added to the JSON (e.g. how busy the machine was)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compiler_examples.json"))
     args = ap.parse_args()
     names = args.only.split(",") if args.only else EXAMPLES
+    unknown = sorted(set(names) - set(EXAMPLES))
+    if unknown:
+        ap.error(f"--only: unknown example(s) {unknown}; the examples are {', '.join(EXAMPLES)}")
+    deadline = _deadline(args.deadline) if args.deadline else None
+    past = (lambda: time.time() >= deadline) if deadline else (lambda: False)
     backend = lmc.Local(device=args.device)
     results = {"config": {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
-                          "machine": platform.node()},
-               "provenance": provenance("benchmarks/compiler_bench.py", args.note), "examples": {}}
+                          "machine": platform.node(), "order": "swapped every repetition"},
+               "provenance": provenance("benchmarks/compiler_bench.py", args.note), "examples": {}, "not_run": []}
     for name in names:
+        if past():
+            results["not_run"].append(name)
+            continue
         prog, items = load(name), instances(name, args.n)
         compiled = prog.compile()
         prog.run_batch(items[:2], backend=backend, temperature=0)  # warm-up (and the compiled program's traces)
@@ -104,12 +126,17 @@ def main():
                  "compiled": lambda: compiled.run_batch(items, backend=backend, temperature=0)}
         runs = {m: [] for m in modes}
         same = True
-        for _ in range(args.repeat):
-            for mode, run in modes.items():  # alternating, so drift in the machine's load hits both
-                runs[mode].append(measure(backend, run))
+        load_avg = [os.getloadavg()[0]]
+        for rep in range(args.repeat):
+            if rep and past():
+                break
+            for mode in list(modes)[::1 if rep % 2 == 0 else -1]:  # alternating, the order swapped every time
+                runs[mode].append(measure(backend, modes[mode]))
             same &= runs["compiled"][-1]["variables"] == runs["interpreted"][-1]["variables"] and \
                 runs["compiled"][-1]["text"] == runs["interpreted"][-1]["text"]
+        load_avg.append(os.getloadavg()[0])
         row = {m: summary(r) for m, r in runs.items()}
+        row["load_avg_1m"] = {"start": load_avg[0], "end": load_avg[1]}
         row["ratio"] = spread([c["programs_s"] / i["programs_s"]  # per repetition: same load on both
                                for c, i in zip(runs["compiled"], runs["interpreted"])])
         row["ratio_of_medians"] = row["compiled"]["programs_s"]["median"] / row["interpreted"]["programs_s"]["median"]
@@ -123,11 +150,18 @@ def main():
               f"x{row['ratio_of_medians']:.2f}  prefill {row['interpreted']['prefill_tokens']} -> "
               f"{row['compiled']['prefill_tokens']}  forwards "
               f"{row['interpreted']['forwards']} -> {row['compiled']['forwards']}  same={same}", flush=True)
-        finish(results["provenance"])
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:  # after every example: a long run stopped early keeps what it measured
-            json.dump(results, f, indent=2)
+        save(results, args.out)  # after every example: a long run stopped early keeps what it measured
+    if results["not_run"]:
+        print(f"not run (past the deadline): {', '.join(results['not_run'])}", flush=True)
+        save(results, args.out)
     backend.shutdown()
+
+
+def save(results: dict, path: str) -> None:
+    finish(results["provenance"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

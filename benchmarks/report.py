@@ -343,21 +343,29 @@ def render_compiler(r: dict, _dir: Path) -> str:
                      f"{count(i['prefill_tokens'])} -> {count(c['prefill_tokens'])}",
                      f"{count(i['forwards'])} -> {count(c['forwards'])}",
                      "yes" if e["same_variables_and_text"] else "**no**",
-                     f"{seg['segments_traced']} / {seg['segment_reuses']}"])
+                     f"{seg['segments_traced']} / {seg['segment_reuses']}"
+                     + (f" ({num(seg['trace_seconds'])} s)" if "trace_seconds" in seg else ""),
+                     f"{num(e['load_avg_1m']['start'])} -> {num(e['load_avg_1m']['end'])}" if "load_avg_1m" in e
+                     else "not recorded"])
     cfg = r["config"]
+    not_run = (f"Not run (the run's deadline came first): {', '.join(f'`{n}`' for n in r['not_run'])}.\n"
+               if r.get("not_run") else "")
     return "\n".join([
         "## Compiler: the examples compiled vs interpreted (CPU, embedded model)\n",
         f"Each program of `examples/` as `run_batch` of {cfg['n']} instances ({cfg['device']}), interpreted "
         "(`prog.run_batch`) and compiled (`prog.compile()`, warmed by one batch so its segment cache is what a "
-        f"user's second batch sees), alternating within each of {cfg['repeat']} repetitions; the radix cache is "
-        "flushed before every run, at temperature 0. Programs/s as median (min-max, runs); the ratio as the ratio "
+        f"user's second batch sees), alternating within each of {cfg['repeat']} repetitions"
+        + (" (the order swapped every time)" if cfg.get("order") == "swapped every repetition" else "")
+        + "; the radix cache is flushed before every run, at temperature 0. Programs/s as median (min-max, runs); the ratio as the ratio "
         "of the two medians, then the per-repetition ratios; prefill tokens (prompt tokens not served by the cache) "
         "and engine forwards are exact counts, interpreted -> compiled. *Same output*: identical variables and text "
         "in every repetition. *Segments*: compiled segments traced / reused from the segment cache over the whole "
-        "run (host code between graph breaks runs in Python). Plot: `results/compiler_examples.png`.\n",
+        "run (host code between graph breaks runs in Python), with the seconds spent tracing them and running the "
+        "passes on them (the compiler's own cost, warm-up included). Plot: `results/compiler_examples.png`.\n",
         command(r), "",
         table(["example", "interpreted (programs/s)", "compiled (programs/s)", "compiled / interpreted",
-               "prefill tokens", "forwards", "same output", "segments traced / reused"], rows)]) + "\n"
+               "prefill tokens", "forwards", "same output", "segments traced / reused", "load (1 min)"], rows),
+        not_run]) + "\n"
 
 
 @section("speculation.json")

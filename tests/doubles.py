@@ -1,4 +1,7 @@
 """Test doubles (never used by lmc itself)."""
+import asyncio
+import time
+
 from lmc.protocol import Capabilities, ChatTemplate, ChoicesDecision
 
 
@@ -42,3 +45,44 @@ class FaultyForward:
             self.raised += 1
             raise RuntimeError(self.message)
         return self.launch(sb)
+
+
+class GatedBackend(ScriptedBackend):
+    """A ScriptedBackend whose generate calls wait until `width` of them are in flight at once (or `timeout`
+    seconds passed), recording the most that were in flight together (`peak`): work that is started one group
+    after another shows as a peak below the width."""
+
+    def __init__(self, width: int, reply: str = "scripted", timeout: float = 2.0):
+        super().__init__(reply)
+        self.width, self.timeout, self.in_flight, self.peak = width, timeout, 0, 0
+        self._full = None
+
+    async def generate(self, text, params, images):
+        self._full = self._full or asyncio.Event()
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        if self.in_flight >= self.width:
+            self._full.set()
+        try:
+            await asyncio.wait_for(self._full.wait(), self.timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.in_flight -= 1
+        return await super().generate(text, params, images)
+
+
+class DelayedCalls:
+    """Wraps a function: every call sleeps `delay` seconds first (so that concurrent callers overlap it), then
+    runs it; with `fail_first`, the first call raises RuntimeError(message) instead. `calls` counts every call."""
+
+    def __init__(self, fn, delay: float = 0.2, fail_first: bool = False, message: str = "injected failure"):
+        self.fn, self.delay, self.fail_first, self.message, self.calls = fn, delay, fail_first, message, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        first = self.calls == 1
+        time.sleep(self.delay)
+        if first and self.fail_first:
+            raise RuntimeError(self.message)
+        return self.fn(*args, **kwargs)

@@ -4,9 +4,11 @@ guards. Also the frontend idioms compiled programs must keep (forks[i] +=, custo
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from doubles import DelayedCalls, GatedBackend
 
 import lmc as sgl
 from lmc.compiler.trace import trace
@@ -120,14 +122,50 @@ def test_a_segment_is_reused_by_instances_that_read_the_same_values(backend):
     states = compiled.run_batch([{"topic": "fruits"}] * 3 + [{"topic": "colors"}], backend=backend, temperature=0)
     counts = [st["count"] for st in states]
     assert [len([k for k in st.variables() if k.startswith("item_")]) for st in states] == [int(c) for c in counts]
-    assert compiled.stats["segments_traced"] + compiled.stats["segment_reuses"] == 4
-    # Instances that reach a break at the same moment may each trace it (no lock per resume point yet), so the
-    # first batch bounds nothing more; a second batch reads the same counts and must trace nothing new.
-    assert compiled.stats["segments_traced"] >= len(set(counts))
-    traced, reused = compiled.stats["segments_traced"], compiled.stats["segment_reuses"]
+    # One batch traces each path once, though its instances reach the break together (single-flight tracing).
+    paths = len(set(counts))
+    assert compiled.stats["segments_traced"] == paths and compiled.stats["segment_reuses"] == 4 - paths
     again = compiled.run_batch([{"topic": "fruits"}] * 3 + [{"topic": "colors"}], backend=backend, temperature=0)
     assert [st["count"] for st in again] == counts
-    assert compiled.stats["segments_traced"] == traced and compiled.stats["segment_reuses"] == reused + 4
+    assert compiled.stats["segments_traced"] == paths and compiled.stats["segment_reuses"] == 8 - paths
+
+
+def _batch(compiled, items, backend, timeout=60):
+    """run_batch with a deadline: a wedged batch fails the test instead of hanging it."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(compiled.run_batch, items, backend=backend, temperature=0).result(timeout)
+
+
+def _slow_traces(monkeypatch, compiled, **kw) -> DelayedCalls:
+    """Resumed traces that take a while (the first segment traced before), so instances overlap them."""
+    import lmc.compiler.compiled as compiled_module
+
+    compiled.graph()
+    slow = DelayedCalls(compiled_module.trace_segment, **kw)
+    monkeypatch.setattr(compiled_module, "trace_segment", slow)
+    return slow
+
+
+def test_instances_that_reach_a_break_together_trace_it_once(monkeypatch):
+    """Eight instances reach the break at the same moment (the double answers their gens together) while its
+    trace takes 0.2 s: one traces, seven wait and reuse."""
+    compiled = counted_loop.compile()
+    slow = _slow_traces(monkeypatch, compiled)
+    states = _batch(compiled, [{"topic": f"topic {i}"} for i in range(8)], GatedBackend(8, "2"))
+    assert all(st.error() is None and st["item_1"] == "2" for st in states)
+    assert slow.calls == 1 and compiled.stats["segments_traced"] == 1 and compiled.stats["segment_reuses"] == 7
+    assert 0.2 <= compiled.stats["trace_seconds"] < 5  # the one slow trace, counted once
+
+
+def test_a_failed_trace_does_not_wedge_the_instances_waiting_for_it(monkeypatch):
+    compiled = counted_loop.compile()
+    slow = _slow_traces(monkeypatch, compiled, fail_first=True)
+    states = _batch(compiled, [{"topic": f"topic {i}"} for i in range(4)], GatedBackend(4, "2"))
+    errors = [st.error() for st in states]
+    assert [str(e) for e in errors if e is not None] == ["injected failure"]  # only the instance that traced
+    assert all(st["item_1"] == "2" for st, e in zip(states, errors) if e is None)
+    # The failed trace, then one waiter's trace that the others reuse.
+    assert slow.calls == 2 and compiled.stats["segments_traced"] == 1 and compiled.stats["segment_reuses"] == 2
 
 
 def test_a_resumed_segment_reads_executed_values_under_guards():
@@ -248,3 +286,13 @@ def test_run_batch_with_different_non_text_arguments(backend):
     for state, ref in zip(states, repeat_words.run_batch(items, backend=backend, temperature=0)):
         assert state.variables() == ref.variables() and state.text() == ref.text()
     assert len(compiled._graphs) == 3  # one first segment per distinct non-text argument set
+
+
+def test_run_batch_runs_groups_of_different_non_text_arguments_at_once():
+    """Each non-text argument set is its own first segment; the instances of all of them are in flight together
+    (the double holds every gen until all three instances' first gens have arrived)."""
+    items = [{"word": "sun", "n": 1}, {"word": "moon", "n": 3}, {"word": "star"}]
+    gated = GatedBackend(width=len(items), reply=" x")
+    states = _batch(repeat_words.compile(), items, gated)
+    assert [len(st.variables()) for st in states] == [1, 3, 2]
+    assert gated.peak == len(items)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,7 @@ from ..frontend.program import Program, _failed_state, _progress, resolve_backen
 from ..frontend.state import ProgramState, Stream, frontend_loop
 from ..ir import ProgramGraph
 from ..passes import constant_prefix
-from ..passes.cost import estimate
+from ..passes.cost import estimate, first_prompts, token_aligned_hint
 from ..protocol import NO_CAPABILITIES, Capabilities, ChatTemplate, capabilities
 from .executor import run_segment
 from .lower import Plan, lower
@@ -71,9 +72,14 @@ class CompiledProgram:
         self._graphs: dict[str, ProgramGraph] = {}
         # (concrete arguments, resume operation) -> the segments traced from there, each behind its guards
         self._segments: dict[tuple[str, int], list[Segment]] = {}
+        # (concrete arguments, resume operation) -> resolved when the trace running from there is done; touched on
+        # the frontend loop only (every instance runs there)
+        self._tracing: dict[tuple[str, int], asyncio.Future] = {}
         self._callees: dict[Program, CompiledProgram] = {}
         self._lock = threading.Lock()
-        self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0}
+        # trace_seconds: wall time spent tracing segments and running the pass pipeline on them (the compiler's
+        # own cost, paid once per path: a segment reused from the cache costs only its guard check)
+        self.stats = {"segments_traced": 0, "segment_reuses": 0, "interpreted_rests": 0, "trace_seconds": 0.0}
 
     def __repr__(self) -> str:
         return f"<compiled {self.program!r}>"
@@ -89,19 +95,23 @@ class CompiledProgram:
         key = _key(concrete)
         with self._lock:
             if key not in self._graphs:
+                start = time.perf_counter()
                 g = trace_segment(self.program, concrete).graph
                 self._optimize(g)
                 self._graphs[key] = g
+                self.stats["trace_seconds"] += time.perf_counter() - start
             return self._graphs[key]
 
-    def segment(self, concrete: dict, resume: Resume) -> ProgramGraph:
-        """The segment after a break for an instance at `resume`: a cached one whose guards hold, or a new trace."""
-        key = (_key(concrete), resume.ops)
+    def _cached_segment(self, key: tuple[str, int], resume: Resume) -> ProgramGraph | None:
         with self._lock:
             for seg in self._segments.get(key, []):
                 if _guards_hold(seg.guards, resume):
                     self.stats["segment_reuses"] += 1
                     return seg.graph
+        return None
+
+    def _trace_into_cache(self, key: tuple[str, int], concrete: dict, resume: Resume) -> ProgramGraph:
+        start = time.perf_counter()
         seg = trace_segment(self.program, concrete, resume)
         self._optimize(seg.graph)
         with self._lock:
@@ -109,7 +119,32 @@ class CompiledProgram:
             if len(cached) < SEGMENT_CACHE_SIZE:  # beyond it, paths that rarely repeat are traced, not kept
                 cached.append(seg)
             self.stats["segments_traced"] += 1
+            self.stats["trace_seconds"] += time.perf_counter() - start
         return seg.graph
+
+    async def segment(self, concrete: dict, resume: Resume) -> ProgramGraph:
+        """The segment after a break for an instance at `resume`: a cached one whose guards hold, or a new trace.
+
+        Single-flight per resume point: while one instance traces from a resume point, the others that reach it
+        wait (on the frontend loop, holding no thread) and then look in the cache again, so instances that read the
+        same values trace the segment once. A waiter never takes on another's failure: if that trace raised, the
+        waiter traces for itself (and meets its own error, if it is one)."""
+        key = (_key(concrete), resume.ops)
+        while True:
+            found = self._cached_segment(key, resume)
+            if found is not None:
+                return found
+            inflight = self._tracing.get(key)
+            if inflight is None:
+                break
+            await inflight  # resolved (never failed) when that trace is done, whatever its outcome
+        done = asyncio.get_running_loop().create_future()
+        self._tracing[key] = done
+        try:
+            return await asyncio.to_thread(self._trace_into_cache, key, concrete, resume)
+        finally:
+            del self._tracing[key]
+            done.set_result(None)
 
     def _split(self, kwargs: dict) -> tuple[dict, dict]:
         """(concrete, symbolic) arguments: text stays symbolic, anything else specialises the graph."""
@@ -134,7 +169,10 @@ class CompiledProgram:
         stats = self._optimize(g, Target("local", tmpl, tokenizer, NO_CAPABILITIES if tokenizer is None
                                          else Capabilities(token_id_selects=True)))
         batch_prefix = "batch_prefix" in stats
-        prefix = constant_prefix(g, tmpl) if batch_prefix else ""
+        inst = examples or [{}, {}]
+        prefix = constant_prefix(g, tmpl, examples) if batch_prefix else ""
+        if prefix and tokenizer is not None:  # the hint the engine can serve whole: cut to a token boundary
+            prefix = token_aligned_hint(prefix, first_prompts(g, tmpl, inst), tokenizer.encode)
         commits = stats.get("fork_commit", {}).get("plan", {}).get("commits", {})
         speculation = stats.get("api_speculation", {"completion_groups": [], "chat_groups": []})
         count = (lambda t: len(tokenizer.encode(t))) if tokenizer is not None else len
@@ -152,9 +190,6 @@ class CompiledProgram:
             lowered = stats.get("select_lowering", {}).get("plan", {}).get("select_tokens", {})
             report["select_lowering"] = {f"%{n}": len(ids) for n, ids in sorted(lowered.items())}
             tok = lambda t: tokenizer.encode(t)  # noqa: E731
-            inst = examples or [{}, {}]
-            if examples and batch_prefix:
-                prefix = constant_prefix(g, tmpl, examples)
             report["cost"] = {
                 "no_cache": estimate(g, tmpl, tok, inst, cache=False).as_dict(),
                 "radix_cache": estimate(g, tmpl, tok, inst).as_dict(),
@@ -243,7 +278,7 @@ class CompiledProgram:
                 await asyncio.get_running_loop().run_in_executor(_INTERPRETERS, interpret_rest, self.program, stream,
                                                                  resume, kwargs)
                 break
-            g = await asyncio.to_thread(self.segment, concrete, resume)
+            g = await self.segment(concrete, resume)
         return ProgramState(stream)
 
     def plan_for(self, target: Target, **concrete) -> Plan:
