@@ -271,6 +271,7 @@ class _SamplingFields(_SGLangFields):
     json_schema: Optional[Union[dict, str]] = None
     structured_outputs: Optional[StructuredOutputs] = None
     return_cached_tokens_details: bool = False  # SGLang's: the response's sglext.cached_tokens_details
+    program: Any = None  # lmc's program hints (lmc.protocol.ProgramHints as an object), checked by the route
 
 
 class CompletionRequest(_SamplingFields):
@@ -349,3 +350,4 @@ class GenerateRequest(_SGLangFields):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    program: Any = None  # lmc's program hints (lmc.protocol.ProgramHints as an object), checked by the route
