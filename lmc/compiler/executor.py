@@ -16,6 +16,8 @@ from ..frontend import choices as choice_methods
 from ..frontend.primitives import Gen, GenParams, RoleBegin, RoleEnd, Select, Text, Unordered
 from ..frontend.state import ConcatAppend, SetVar, Stream, VarRead, VarScopeBegin, VarScopeEnd
 from ..ir import ProgramGraph
+from ..protocol import capabilities
+from .hints import request_hints
 from .values import apply_transforms, holds
 
 _METHODS = {type(m).__name__: m for m in (choice_methods.token_length_normalized,
@@ -141,6 +143,7 @@ async def _walk(g: ProgramGraph, start: int | None, stream: Stream, args: dict, 
         if node.kind != "fork_item":
             expr = _expr(g, nid, args, plan, stream)
             expr.op = g.op_of.get(nid)  # the body operation its values are recorded under
+            expr.hints = request_hints(g, nid, stream)  # the plan's program hints for the calls it makes
             stream.submit(expr)
         nid = _first(g, nid)
     return None
@@ -184,6 +187,12 @@ async def _join(mode: str, parent: Stream, children: list[Stream], op: int | Non
 async def run_segment(g: ProgramGraph, args: dict, stream: Stream, plan: Plan) -> int | None:
     """Run one segment on an instance's stream (fresh, or where the previous segment's break left it); returns
     the break node it stopped at (None: the program is done). Waits until the stream is idle."""
+    if capabilities(stream.backend).server_plans:  # the whole segment in one request (lmc.compiler.remote)
+        from .remote import run_remote  # (it builds on this module)
+
+        ran, brk = await run_remote(g, args, stream, plan)
+        if ran:
+            return brk
     roots = [r for r in g.roots() if g.node(r).stream == 0]
     brk = await _walk(g, roots[0] if roots else None, stream, args, plan)
     await _idle(stream)

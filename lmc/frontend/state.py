@@ -92,6 +92,7 @@ class Stream:
         # stream and its forks (what a resumed trace replays, lmc.compiler.trace). None: not recorded.
         self.history: dict[int, dict[str, tuple]] | None = None
         self._op: int | None = None  # the body operation of the expression executing now
+        self.hints = None  # the plan's ProgramHints of the expression executing now (lmc.protocol.current_hints)
         self._cond = threading.Condition()
         self._queued = 0  # submitted, not yet executed
         self._pending = Counter()  # variable -> producers queued
@@ -154,6 +155,7 @@ class Stream:
             try:
                 if self.error is None:
                     self._op = getattr(e, "op", None)
+                    self.hints = getattr(e, "hints", None)
                     await self._execute(e)
             except Exception as exc:  # the stream stops executing; readers of its variables get this error
                 self.error = exc
