@@ -28,11 +28,11 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 class CountingApp:
-    """Test double: an ASGI wrapper that records each HTTP request's path and answers 404 for `missing` paths (a
-    server without those routes)."""
+    """Test double: an ASGI wrapper that records each HTTP request's path (and its JSON body, in `bodies`) and
+    answers 404 for `missing` paths (a server without those routes)."""
 
     def __init__(self, app, missing=()):
-        self.app, self.missing, self.paths = app, set(missing), []
+        self.app, self.missing, self.paths, self.bodies = app, set(missing), [], []
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -42,6 +42,21 @@ class CountingApp:
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": b'{"error": {"message": "Not Found"}}'})
                 return
+            messages, raw = [], b""
+            while True:
+                m = await receive()
+                messages.append(m)
+                raw += m.get("body", b"")
+                if m["type"] != "http.request" or not m.get("more_body"):
+                    break
+            self.bodies.append((scope["path"], json.loads(raw) if raw else None))
+            replay = iter(messages)
+
+            async def receive_again():
+                return next(replay, None) or await receive()
+
+            await self.app(scope, receive_again, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -254,3 +269,23 @@ def test_segment_hints_of_a_fork():
     branch = [h for n, h in hints.items() if g.node(n).attrs["name"] != "best"]
     assert all(h.calls_left == 2 and h.next_use is None for h in branch)  # a branch's last call: no later use
     assert {h.tokens_left for h in branch} == {18}  # both branches (concurrent) and the final gen
+
+
+@pytest.mark.parametrize("server", ["lmc", "dynamo"])
+def test_openai_backend_sends_the_hints(counted, server):
+    srv, app, _ = counted
+    be = lmc.OpenAI("smollm2", base_url=srv.url + "/v1", api_key=KEY, server=server)
+    try:
+        app.bodies.clear()
+        chain.compile().run(topic="ice", backend=be, temperature=0)
+    finally:
+        be.shutdown()
+    sent = [b for p, b in app.bodies if p.startswith("/v1/")]
+    assert len(sent) >= 6
+    if server == "lmc":
+        ids = {b["program"]["instance"] for b in sent}
+        assert len(ids) == 1 and sent[0]["program"]["calls_left"] == 6 and sent[0]["program"]["program"] == "chain"
+    else:  # NVIDIA Dynamo's shape: the instance is the session and the trajectory
+        ids = {b["nvext"]["agent_context"]["session_id"] for b in sent}
+        assert len(ids) == 1 and sent[0]["nvext"]["agent_hints"]["osl"] == 3 * 6 + 3
+        assert all("program" not in b for b in sent)

@@ -243,7 +243,7 @@ class _SamplingFields(_SGLangFields):
         "return_hidden_states": (False, _NOT_HERE), "return_routed_experts": (False, "the model has no experts"),
         "stop_regex": (None, _NOT_HERE), "no_stop_trim": (False, _NOT_HERE), "lora_path": (None, "no LoRA adapters"),
         "custom_logit_processor": (None, _NOT_HERE)}
-    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"rid", "routing_key"})
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"rid", "routing_key", "nvext"})  # nvext: Dynamo's hints
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
