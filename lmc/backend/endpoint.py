@@ -7,6 +7,9 @@ Each primitive sends what SGLang's RuntimeEndpoint sends (notes/sglang_frontend.
   `max_new_tokens: 0` and prompt logprobs from two tokens before the prompt's end (the token-healing window of
   `Local.select`); the unconditional method re-scores the choices' tokens alone (`/tokenize` on an lmc server);
 - commit: `/generate` with `max_new_tokens: 0`.
+On an lmc server, each /generate also carries the running call's program hints (`program`, from a compiled
+plan), and a compiled program's segments run whole on the server: one POST /v1/programs per segment
+(`capabilities.server_plans`, lmc.compiler.remote), per call where the server lacks the route.
 The chat template comes from the server: lmc's `/get_model_info` returns the role prefixes and suffixes derived
 from the model's own template (`chat_template_roles`), or the Jinja template itself. A server that gives neither
 (SGLang) gets the plain `ROLE: ` template unless one is passed.

@@ -31,7 +31,6 @@ from ..passes import constant_prefix
 from ..protocol import GenParams, capabilities
 from ..protocol.hints import INSTANCE_KEY
 from .executor import _DTYPES, _METHODS, Plan, run_segment
-from .hints import segment_hints
 from .pipeline import PassManager, Target
 from .symbols import _STR_TRANSFORMS
 
@@ -239,7 +238,6 @@ async def run_instances(g: ProgramGraph, arguments: list[dict], backend, default
         prefix = constant_prefix(g, backend.chat_template, arguments)
         if prefix:  # prefilled once ahead of the instances (a hint: not awaited)
             asyncio.run_coroutine_threadsafe(backend.commit(prefix), loop)
-    segment_hints(g, defaults.max_new_tokens or 128)  # fails here, not per request, on a graph it cannot read
     futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
         _instance(g, args, backend, defaults, plan, states[i] if states else None), loop))
         for i, args in enumerate(arguments)]
