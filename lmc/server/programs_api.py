@@ -15,6 +15,7 @@ Nothing a program holds is code (compiler.hosted).
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -23,11 +24,12 @@ from fastapi.responses import StreamingResponse
 
 from ..compiler.hosted import (ProgramLimits, ProgramRejected, check_arguments, check_program, load_program,
                                program_defaults, run_instances)
-from .protocol import ApiError
+from .protocol import ApiError, error_body
 from .service import Service, json_object
 from .sse import sse, unless_disconnected
 
 __all__ = ["ProgramLimits", "router"]
+log = logging.getLogger(__name__)
 _FIELDS = {"program", "arguments", "sampling", "stream", "states", "ops", "model"}
 
 
@@ -86,10 +88,13 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
                 try:
                     async for i, result in runs:
                         yield sse({**head, "index": i, **result})
-                    yield b"data: [DONE]\n\n"
+                except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
+                    log.exception("a streamed program failed")
+                    yield sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
                 finally:
                     await runs.aclose()
                     svc.pending -= len(arguments)
+                yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect():
