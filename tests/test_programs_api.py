@@ -187,6 +187,14 @@ def test_bad_plans_get_a_400_naming_the_operation(counted):
         r = _post(srv, {"program": plan, "arguments": [{"topic": "x"}]})
         assert r.status_code == 400, (expected, r.text)
         assert expected in r.json()["error"]["message"], r.text
+    good = _plan_json(chain, ep)
+    node = next(o["node"] for o in good["ops"] if o["op"] == "generate")
+    for hints, expected in (([], "hints must map node ids"),
+                            ({str(node): {"calls_left": -1, "tokens_left": None, "next_use": None}},
+                             f"hints['{node}'].calls_left must be a non-negative integer")):
+        r = _post(srv, {"program": good, "arguments": [{"topic": "x"}], "hints": hints})
+        assert r.status_code == 400, (expected, r.text)
+        assert expected in r.json()["error"]["message"], r.text
 
 
 def test_one_failing_instance_leaves_the_others(counted):
@@ -276,20 +284,27 @@ def test_program_field_on_generate_and_openai_routes(counted):
     assert r.status_code == 200, r.text
 
 
-def test_hints_reach_the_engine_requests(engine):
+@pytest.mark.parametrize("via", ["local", "server"])
+def test_hints_reach_the_engine_requests(engine, counted, via):
+    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph)."""
     seen = []
     sched = engine.scheduler
     add = sched.add
+    srv, app, ep = counted
 
     def recording_add(req):  # the scheduler thread calls it for each request it receives
         seen.append(req.program)
         return add(req)
 
     sched.add = recording_add
+    app.bodies.clear()
     try:
-        chain.compile().run(topic="glass", backend=lmc.Local(engine=engine), temperature=0)
+        chain.compile().run(topic="glass", backend=lmc.Local(engine=engine) if via == "local" else ep,
+                            temperature=0)
     finally:
         del sched.add
+    if via == "server":
+        assert [p for p, _ in app.bodies] == ["/v1/programs"] and app.bodies[0][1]["hints"]
     hinted = [h for h in seen if h is not None]
     assert len(hinted) == len(seen) >= 6
     assert len({h.instance for h in hinted}) == 1 and {h.program for h in hinted} == {"chain"}

@@ -19,7 +19,7 @@ from ..protocol import (capabilities, greedy_token_selection, token_length_norma
 from ..protocol.backend import SpecStep, set_current_stream
 from ..frontend.primitives import render_unordered
 from ..frontend.state import Stream
-from .hints import request_hints
+from .hints import hints_table, request_hints
 from .lower import Branch, Break, Call, Extend, Fork, Generate, Join, Op, Part, Plan, Scope, Score, SetVar
 from .values import apply_transforms, holds
 
@@ -64,8 +64,10 @@ def _method(plan: Plan, op: Score):
 
 
 def _hints(plan: Plan, op: Op, stream: Stream):
-    """The program hints of an LM call (None for a plan loaded from data: it holds no graph to compute them)."""
-    return None if plan.graph is None else request_hints(plan.graph, op.node, stream)
+    """The program hints of an LM call: from the plan's graph, or the table a plan loaded from data came with
+    (None without either)."""
+    table = plan.hints if plan.graph is None else hints_table(plan.graph, stream)
+    return None if table is None else request_hints(table, op.node, stream, plan.program)
 
 
 def _task(stream: Stream, coro) -> asyncio.Task:

@@ -1,9 +1,10 @@
 """Program hints from the plan: for each LM call of a segment, what remains of its instance after it.
 
-The plan executor sets `stream.hints = request_hints(plan.graph, op.node, stream)` before each generate and score
-operation; they are the current hints while that call runs (lmc.protocol.current_hints), and backends send them
-with each request (Req.program in the engine, `program` on an lmc server, `nvext` on Dynamo). A plan loaded from
-data has no graph, and its calls carry no hints.
+The plan executor sets `stream.hints` (`request_hints`, from the table of the plan's graph) before each generate
+and score operation; they are the current hints while that call runs (lmc.protocol.current_hints), and backends
+send them with each request (Req.program in the engine, `program` on an lmc server, `nvext` on Dynamo). A plan
+loaded from data has no graph: its table comes with it (`table_json`, the `hints` of POST /v1/programs), or its
+calls carry no hints.
 
 Per call node n of a segment graph (computed once per graph and default token budget):
 - calls_left: the longest chain of LM calls (gen, select, nested call) from n to the segment's end, n included:
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import networkx as nx
 
@@ -91,15 +92,44 @@ def _next_use(g: ProgramGraph, start: int) -> int | None:
 _tables: dict[tuple[int, int], dict[int, NodeHints]] = {}
 
 
-def request_hints(g: ProgramGraph, nid: int, stream) -> ProgramHints | None:
-    """The ProgramHints of call node `nid` run on `stream` (None for a node that makes no LM call). The table is
-    computed once per graph and default token budget, and dropped with the graph."""
+def hints_table(g: ProgramGraph, stream) -> dict[int, NodeHints]:
+    """`segment_hints` of `g` for the stream's default token budget, computed once per graph and budget, and
+    dropped with the graph."""
     key = (id(g), stream.defaults.max_new_tokens or 128)
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = segment_hints(g, key[1])
         weakref.finalize(g, _tables.pop, key, None)
+    return table
+
+
+def table_json(table: dict[int, NodeHints]) -> dict[str, dict]:
+    """A hints table as JSON data (what lmc.compiler.remote sends with a plan: plan data holds no graph)."""
+    return {str(n): asdict(h) for n, h in table.items()}
+
+
+def table_from_json(data) -> dict[int, NodeHints]:
+    """The table of `table_json` data; ValueError naming the node and field that is malformed."""
+    if not isinstance(data, dict):
+        raise ValueError("hints must map node ids to {calls_left, tokens_left, next_use}")
+    out = {}
+    for k, h in data.items():
+        names = [f.name for f in fields(NodeHints)]
+        if not (isinstance(k, str) and k.isdigit()) or not isinstance(h, dict) or set(h) != set(names):
+            raise ValueError(f"hints[{k!r}]: a node id mapped to an object of exactly {names}")
+        for name in names:
+            v = h[name]
+            if not (v is None and name != "calls_left") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"hints[{k!r}].{name} must be a non-negative integer"
+                                 f"{'' if name == 'calls_left' else ' or null'}")
+        out[int(k)] = NodeHints(**h)
+    return out
+
+
+def request_hints(table: dict[int, NodeHints], nid: int, stream, program: str) -> ProgramHints | None:
+    """The ProgramHints of call node `nid` of a segment of `program` run on `stream` (None for a node that makes
+    no LM call)."""
     h = table.get(nid)
     if h is None:
         return None
-    return ProgramHints(instance_id(stream), h.calls_left, h.tokens_left, h.next_use, g.name)
+    return ProgramHints(instance_id(stream), h.calls_left, h.tokens_left, h.next_use, program)

@@ -30,6 +30,7 @@ from ..passes import constant_prefix
 from ..protocol import GenParams, capabilities
 from ..protocol.hints import INSTANCE_KEY
 from .executor import run_segment
+from .hints import NodeHints, table_from_json
 from .lower import (_DTYPES, BUILTIN_METHODS, Break, Call, Extend, Fork, Generate, Part, Plan, PlanError, Score,
                     _walk_ops, lower)
 from .pipeline import PassManager, Target
@@ -209,6 +210,18 @@ def check_arguments(program: ProgramGraph | Plan, arguments: Any) -> list[dict]:
     return arguments
 
 
+def load_hints(program: ProgramGraph | Plan, data: Any) -> dict[int, NodeHints] | None:
+    """The `hints` of a plan (lmc.compiler.hints.table_json data; a graph's come from the graph itself)."""
+    if data is None:
+        return None
+    if not isinstance(program, Plan):
+        raise ProgramRejected("hints go with a plan; a graph's hints are computed from it", "hints")
+    try:
+        return table_from_json(data)
+    except ValueError as e:
+        raise ProgramRejected(str(e), "hints") from None
+
+
 def program_name(program: ProgramGraph | Plan) -> str:
     return program.program if isinstance(program, Plan) else program.name
 
@@ -287,14 +300,16 @@ async def _instance(plan: Plan, args: dict, backend, defaults: GenParams, state:
 
 async def run_instances(program: ProgramGraph | Plan, arguments: list[dict], backend, defaults: GenParams,
                         states: list[dict] | None = None,
-                        ops: dict[int, int] | None = None) -> AsyncIterator[tuple[int, dict]]:
+                        ops: dict[int, int] | None = None,
+                        hints: dict[int, NodeHints] | None = None) -> AsyncIterator[tuple[int, dict]]:
     """Run every instance at once on the frontend loop; yields (index, result) as each finishes. Errors are per
     instance (in its result's `error`). Closing the iterator cancels what is still running. `ops`: for a graph,
-    the body operation of each node (a plan's operations carry theirs)."""
+    the body operation of each node (a plan's operations carry theirs); `hints`: a plan's program hints by node."""
     if states is not None and len(states) != len(arguments):
         raise ProgramRejected(f"states: {len(states)} states for {len(arguments)} instances", "states")
     if isinstance(program, Plan):
         plan = program
+        plan.hints = hints
     else:
         program.op_of.update(ops or {})  # the body operation of each node, under which its values are recorded
         plan = local_plan(program, backend)

@@ -258,6 +258,8 @@ class Plan:
     # the segment graph it was lowered from (runtime only: the executor's program hints come from it, via
     # lmc.compiler.hints; None for a plan loaded from data)
     graph: Any = field(default=None, compare=False, repr=False)
+    # runtime only: the program hints by node (lmc.compiler.hints.NodeHints) for a plan without its graph
+    hints: dict[int, Any] | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> "Plan":
         _validate_block(self.ops, "ops", set())
@@ -284,7 +286,7 @@ class Plan:
         if data.get("target") not in ("local", "endpoint", "openai"):
             raise PlanError(f"plan: target {data.get('target')!r} is not one of local, endpoint, openai")
         top = {k: v for k, v in data.items() if k != "version"}
-        plan = _load(cls, top, _At("plan"), skip=("callees", "methods", "graph")).validate()
+        plan = _load(cls, top, _At("plan"), skip=("callees", "methods", "graph", "hints")).validate()
         custom = next((o for o in _walk_ops(plan.ops) if isinstance(o, Score) and o.method not in BUILTIN_METHODS),
                       None)
         if custom is not None:  # plan data carries no code: a user-defined method cannot come with it

@@ -18,6 +18,7 @@ from dataclasses import fields
 from ..backend.usage import Usage, stream_usage
 from ..frontend.state import Stream
 from ..protocol.hints import instance_id
+from .hints import hints_table, table_json
 from .lower import BUILTIN_METHODS, Call, Plan, _walk_ops
 
 
@@ -55,6 +56,8 @@ async def run_remote(plan: Plan, args: dict, stream: Stream) -> tuple[bool, int 
     state = {"text": stream.text, "messages": stream.messages, "role": stream.role, "role_begin": stream.role_begin,
              "vars": stream.vars, "meta": _var_meta(stream), "scopes": stream.scopes, "instance": instance_id(stream)}
     body = {"program": plan.to_json(), "arguments": [args], "sampling": _sampling(stream), "states": [state]}
+    if plan.graph is not None:  # the plan's program hints (the server has no graph to compute them from)
+        body["hints"] = table_json(hints_table(plan.graph, stream))
     resp = await stream.backend.run_programs(body)
     if resp is None:
         return False, None

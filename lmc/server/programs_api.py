@@ -2,14 +2,17 @@
 for all of a call's instances.
 
     {"program": <a lowered plan's JSON, or .lmir text or graph JSON>, "arguments": [{...}, ...],
-     "sampling": {...}, "stream": false, "states": [{...}, ...], "ops": {"<node>": <body operation>}}
+     "sampling": {...}, "stream": false, "states": [{...}, ...], "ops": {"<node>": <body operation>},
+     "hints": {"<node>": {...}}}
 
 One entry of `arguments` per instance; `sampling` holds the program-level sampling defaults (lmc's GenParams
 names); `states` (optional, one per instance) resumes instances where a previous segment's break left them, after
 the client ran its host code; `ops` (for a graph; a plan's operations carry theirs) maps nodes to the body
-operations their values are recorded under (what the client's resumed trace reads, returned as `history`). The
-response holds each instance's variables, meta info, text, messages and usage (and `break` / `state` / `history`
-at a break), or, with `"stream": true`, one SSE event per instance as it finishes. Errors are per instance (`error`): one failing instance leaves the others standing.
+operations their values are recorded under (what the client's resumed trace reads, returned as `history`);
+`hints` (with a plan) its program hints by node (lmc.compiler.hints.table_json). The response holds each
+instance's variables, meta info, text, messages and usage (and `break` / `state` / `history` at a break), or, with
+`"stream": true`, one SSE event per instance as it finishes. Errors are per instance (`error`): one failing
+instance leaves the others standing.
 A program the server will not run is a 400 naming the node or the limit (compiler.hosted.ProgramLimits).
 Nothing a program holds is code (compiler.hosted).
 """
@@ -23,18 +26,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..compiler.hosted import (ProgramLimits, ProgramRejected, check_arguments, check_program, load_program,
-                               program_defaults, program_name, run_instances)
+                               load_hints, program_defaults, program_name, run_instances)
 from .protocol import ApiError, error_body
 from .service import Service, json_object
 from .sse import sse, unless_disconnected
 
 __all__ = ["ProgramLimits", "router"]
 log = logging.getLogger(__name__)
-_FIELDS = {"program", "arguments", "sampling", "stream", "states", "ops", "model"}
+_FIELDS = {"program", "arguments", "sampling", "stream", "states", "ops", "hints", "model"}
 
 
 def _prepare(svc: Service, body: dict, limits: ProgramLimits):
-    """(program, arguments, defaults, states, ops) of a call, checked (in the worker pool: it parses)."""
+    """(program, arguments, defaults, states, ops, hints) of a call, checked (in the worker pool: it parses)."""
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise ApiError(400, f"unknown field(s) {unknown}; /v1/programs takes {sorted(_FIELDS)}", unknown[0])
@@ -46,6 +49,7 @@ def _prepare(svc: Service, body: dict, limits: ProgramLimits):
         arguments = check_arguments(program, body.get("arguments", [{}]))
         defaults = program_defaults(body.get("sampling"))
         check_program(program, limits, defaults, len(arguments))
+        hints = load_hints(program, body.get("hints"))
     except ProgramRejected as e:
         raise ApiError(400, str(e), e.field) from None
     states = body.get("states")
@@ -59,7 +63,7 @@ def _prepare(svc: Service, body: dict, limits: ProgramLimits):
         raise ApiError(400, "ops must map node ids to body operation numbers", "ops") from None
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
-    return program, arguments, defaults, states, ops
+    return program, arguments, defaults, states, ops, hints
 
 
 def router(svc: Service, limits: ProgramLimits) -> APIRouter:
@@ -77,12 +81,12 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
     @r.post("/v1/programs")
     async def programs(request: Request):
         body = await json_object(request, svc)
-        program, arguments, defaults, states, ops = await svc.offload(_prepare, svc, body, limits)
+        program, arguments, defaults, states, ops, hints = await svc.offload(_prepare, svc, body, limits)
         be = await svc.offload(local)
         svc.admit(len(arguments))
         pid, created, start = f"prog-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
         head = {"id": pid, "object": "program.instance", "created": created, "program": program_name(program)}
-        runs = run_instances(program, arguments, be, defaults, states, ops)
+        runs = run_instances(program, arguments, be, defaults, states, ops, hints)
 
         if body.get("stream"):
             async def events():
