@@ -1,11 +1,12 @@
 """A compiled segment run whole on the server (POST /v1/programs), for backends with `capabilities.server_plans`
 (lmc.RuntimeEndpoint on an lmc server): one HTTP request per segment instead of one or more per call.
 
-The segment's lowered plan goes as data (Plan.to_json) with the instance's arguments, the program's sampling
-defaults and the stream's state (text, messages, role, variables: where the previous segment and the host code
-left it); the server runs it with the plan executor next to the engine (lmc.compiler.hosted) and returns the new state, the values by body
-operation (what a resumed trace reads) and the break node it stopped at. The host code after a break runs here,
-as always; only data crosses the wire.
+The segment's lowered plan goes as data (Plan.to_json), with its program hints by node (the server has no graph
+to compute them from), the instance's arguments, the program's sampling defaults and the stream's state (text,
+messages, role, variables: where the previous segment and the host code left it); the server runs it with the
+plan executor next to the engine (lmc.compiler.hosted) and returns the new state, the values by body operation
+(what a resumed trace reads) and the break node it stopped at. The host code after a break runs here, as always;
+only data crosses the wire.
 
 A segment that holds code the server cannot run (a nested program, a custom choice method, an image), state that
 is not JSON, or a stream that streams tokens to a reader, runs call by call as before (`servable`).
