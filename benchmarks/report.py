@@ -545,6 +545,24 @@ def render_cpu_speed(r: dict, _dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+@section("programs_latency.json")
+def render_programs_latency(r: dict, _dir: Path) -> str:
+    """programs_bench.py: one instance's latency, compiled over /v1/programs vs interpreted over RuntimeEndpoint."""
+    rows = [[name, fig(w["interpreted_s"], 3, " s"), fig(w["compiled_s"], 3, " s"), fig(w["ratio"], 2),
+             f"<= {w['target_ratio']}", count(w["requests_interpreted"]), count(w["requests_compiled"]),
+             "yes" if w["same_variables"] else "no"] for name, w in r["workloads"].items()]
+    return "\n".join([
+        "## Whole programs on the server: POST /v1/programs, one instance at a time\n",
+        f"{r['model']} behind `lmc serve` (a separate process, CPU). The compiled program sends each segment (the "
+        "plan between graph breaks) as data in one request and the server runs it next to the engine; the "
+        "interpreted program makes its gens and selects one HTTP request at a time over RuntimeEndpoint. "
+        f"Temperature 0, both ways alternating within each of {r['reps']} repetitions after a warm-up run of "
+        "each; ratio = compiled / interpreted per repetition.\n",
+        command(r) + f" Run note: {r['note']}.", "",
+        table(["program", "interpreted", "compiled (/v1/programs)", "ratio", "target", "HTTP requests interpreted",
+               "HTTP requests compiled", "same variables"], rows)]) + "\n"
+
+
 README_LINES: dict = {}  # results file -> its line in README's block (registered like SECTIONS)
 
 

@@ -7,6 +7,9 @@ Each primitive sends what SGLang's RuntimeEndpoint sends (notes/sglang_frontend.
   `max_new_tokens: 0` and prompt logprobs from two tokens before the prompt's end (the token-healing window of
   `Local.select`); the unconditional method re-scores the choices' tokens alone (`/tokenize` on an lmc server);
 - commit: `/generate` with `max_new_tokens: 0`.
+On an lmc server, each /generate also carries the running call's program hints (`program`, from a compiled
+plan), and a compiled program's segments run whole on the server: one POST /v1/programs per segment
+(`capabilities.server_plans`, lmc.compiler.remote), per call where the server lacks the route.
 The chat template comes from the server: lmc's `/get_model_info` returns the role prefixes and suffixes derived
 from the model's own template (`chat_template_roles`), or the Jinja template itself. A server that gives neither
 (SGLang) gets the plain `ROLE: ` template unless one is passed.
@@ -16,28 +19,25 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
+from dataclasses import replace
 from typing import Any
 
-from ..protocol import Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
+from ..protocol import (Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image,
+                        current_hints, decide, instance_id)
 from .usage import Usage, current_stream, record_usage, stream_usage
 
 _LOGPROB_KEYS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # SGLang's gateway (sglang-router) sends every request with the same key to the same worker under its `manual`
-# policy: one key per program instance (kept in the stream's meta table, which forks copy) keeps its calls, and
-# so its prefixes, on one replica. Servers that do not know the header ignore it.
+# policy: one key per program instance (its instance id, kept in the stream's meta table, which forks copy) keeps
+# its calls, and so its prefixes, on one replica. Servers that do not know the header ignore it.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-_ROUTING_KEY = "_lmc_routing_key"
 
 
 def _routing_headers() -> dict[str, str]:
     stream = current_stream()
     if stream is None:
         return {}
-    key = stream.meta.get(_ROUTING_KEY)
-    if key is None:
-        key = stream.meta[_ROUTING_KEY] = uuid.uuid4().hex
-    return {ROUTING_KEY_HEADER: key}
+    return {ROUTING_KEY_HEADER: instance_id(stream)}
 
 
 def _httpx():
@@ -112,7 +112,8 @@ class _JinjaTemplate:
 
 
 class RuntimeEndpoint:
-    capabilities = Capabilities()
+    """`capabilities.server_plans`: an lmc server runs compiled segments whole (POST /v1/programs,
+    lmc.compiler.remote); switched off for good the first time the server answers 404 (an older lmc)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None, *,
                  chat_template: ChatTemplate | None = None, timeout: float = 600.0, max_connections: int = 256):
@@ -132,6 +133,7 @@ class RuntimeEndpoint:
         self.model = self.model_info.get("served_model_name") or self.model_info.get("model_path") or "default"
         self.is_lmc = self.model_info.get("engine") == "lmc"
         self.chat_template = chat_template or template_from_model_info(self.model_info) or ChatTemplate.plain()
+        self.capabilities = Capabilities(server_plans=self.is_lmc)
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r})"
@@ -160,8 +162,16 @@ class RuntimeEndpoint:
                 self._clients[id(loop)] = c
             return c
 
+    def _hinted(self, body: dict) -> dict:
+        """A /generate body with the running call's program hints, for an lmc server (SGLang refuses unknown
+        fields)."""
+        hints = current_hints()
+        return {**body, "program": hints.as_dict()} if hints is not None and self.is_lmc else body
+
     async def _post(self, path: str, body: dict) -> Any:
         httpx = _httpx()
+        if path == "/generate":
+            body = self._hinted(body)
         try:
             r = await self._client().post(self.base_url + path, json=body, headers=_routing_headers())
         except httpx.TransportError as e:
@@ -169,6 +179,17 @@ class RuntimeEndpoint:
         if r.status_code != 200:
             raise EndpointError(r.status_code, _message(r))
         return r.json()
+
+    async def run_programs(self, body: dict) -> dict | None:
+        """POST /v1/programs (a compiled segment for its instances, lmc.compiler.remote); None when the server has
+        no such route (then server_plans is switched off and the caller runs the segment call by call)."""
+        try:
+            return await self._post("/v1/programs", body)
+        except EndpointError as e:
+            if e.status != 404:
+                raise
+            self.capabilities = replace(self.capabilities, server_plans=False)
+            return None
 
     async def generate_raw(self, body: dict) -> Any:
         """POST /generate as is (the result dict, or a list for a batch)."""
@@ -218,7 +239,7 @@ class RuntimeEndpoint:
     async def generate_stream(self, text: str, params: GenParams, images: list[Image]):
         self._check_images(images)
         httpx = _httpx()
-        body = {**self._body(text, params), "stream": True}
+        body = self._hinted({**self._body(text, params), "stream": True})
         sent = 0
         try:
             async with self._client().stream("POST", self.base_url + "/generate", json=body,

@@ -1,7 +1,12 @@
-"""`lmc.Local`: programs on the in-process engine (lmc.runtime, imported only when a Local is made)."""
+"""`lmc.Local`: programs on the in-process engine (lmc.runtime, imported only when a Local is made).
+
+Every engine request carries the running call's program hints (Req.program) and its token counts go to the
+program's usage (lmc.backend.usage.program_usage), as over an endpoint."""
 from __future__ import annotations
 
-from ..protocol import Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
+from ..protocol import (Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image,
+                        current_hints, decide)
+from .usage import record_usage
 
 
 class Local:
@@ -30,18 +35,17 @@ class Local:
         self._check(images)
         p, n = params.engine_params(), params.n or 1
         if n == 1:
-            r = await self.engine.async_generate(text, p)
+            r = await self._engine_call(text, p)
             return r["text"], r["meta_info"]
         seeds = [None if p.get("seed") is None else p["seed"] + i for i in range(n)]
-        rs = await self.engine.async_generate([text] * n, [{**p, "seed": s} for s in seeds])
-        for r in rs:
-            if "error" in r:
-                raise ValueError(r["error"])
+        rs = await self._generate([text] * n, [{**p, "seed": s} for s in seeds])
         return [r["text"] for r in rs], [r["meta_info"] for r in rs]
 
     async def generate_stream(self, text: str, params: GenParams, images: list[Image]):
         self._check(images)
-        async for chunk in self.engine.async_stream(text, params.engine_params()):
+        async for chunk in self.engine.async_stream(text, params.engine_params(), program=current_hints()):
+            if "meta_info" in chunk:
+                record_usage(chunk["meta_info"])
             yield chunk["text"], chunk.get("meta_info")
 
     async def select(self, text: str, choices: list[str], temperature: float,
@@ -70,8 +74,15 @@ class Local:
         nxt = r["meta_info"]["output_token_ids_logprobs"][0]
         return await self._decide(choices, [prompt + [lp] for lp in nxt], method)
 
-    async def _generate(self, prompts: list[str], params: dict, **logprob_opts) -> list[dict]:
-        rs = await self.engine.async_generate(prompts, params, **logprob_opts)
+    async def _engine_call(self, prompts, params, **kw):
+        """One engine call (a prompt, or a batch of them) with the program's hints; its tokens go to the program's
+        usage."""
+        out = await self.engine.async_generate(prompts, params, program=current_hints(), **kw)
+        record_usage([r["meta_info"] for r in out] if isinstance(out, list) else out["meta_info"])
+        return out
+
+    async def _generate(self, prompts: list[str] | None, params: dict, **kw) -> list[dict]:
+        rs = await self._engine_call(prompts, params, **kw)
         for r in rs:
             if "error" in r:
                 raise ValueError(r["error"])
@@ -82,14 +93,14 @@ class Local:
         if method.requires_unconditional_logprobs:
             tok = self.engine.tokenizer
             ids = [tok.encode(c, add_special_tokens=False) or [tok.eos_token_id] for c in choices]
-            ur = await self.engine.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
-                                                  return_logprob=True, logprob_start_len=0)
+            ur = await self._generate(None, {"max_new_tokens": 0}, input_ids=ids, return_logprob=True,
+                                      logprob_start_len=0)
             uncond = [r["meta_info"]["input_token_logprobs"] for r in ur]
         return decide(method, choices, input_lps, uncond)
 
     async def commit(self, text: str) -> None:
         if text:
-            await self.engine.async_generate(text, {"max_new_tokens": 0})
+            await self._engine_call(text, {"max_new_tokens": 0})
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

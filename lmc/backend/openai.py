@@ -56,6 +56,7 @@ from typing import Any
 
 from ..protocol import ROLES, Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image, decide
 from ..protocol.backend import SpecStep
+from ..protocol.hints import current_hints
 from .endpoint import _httpx, template_from_model_info
 from .logit_bias import DTYPE_PATTERNS, Stepper, Vocabulary, load_tokenizer
 from .usage import (Usage, current_stream, program_usage, record_usage, stream_usage,  # noqa: F401 (re-exported)
@@ -176,7 +177,8 @@ class OpenAI:
                  cache_dir: str | None = None, cache_max_entries: int = 10000, organization: str | None = None,
                  constraints: str = "auto", tokenizer=None):
         """`server`: "auto" (probe `base_url` for an lmc or SGLang server), "openai" (api.openai.com: standard
-        fields only), "lmc", "sglang", "vllm" or "compatible" (extras are sent as extra body fields).
+        fields only), "lmc", "sglang", "vllm", "dynamo" (NVIDIA Dynamo: compiled programs' hints go as
+        `nvext.agent_hints`) or "compatible" (extras are sent as extra body fields).
         `constraints`: how regex / JSON-schema / typed gens and select run: "auto" (the best the endpoint supports,
         see the module docstring) or one forced: "server", "json_schema", "logit_bias". An endpoint of unknown
         kind ("compatible") is assumed to decode constraints itself; give "logit_bias" for a plain one.
@@ -280,6 +282,7 @@ class OpenAI:
             if hit is not None:
                 record_usage(None, self, usage=Usage(cache_hits=1))
                 return hit
+        kw = self._with_program_hints(kw)  # after the cache key: hints never change a response
         client = self._client()
         fn = client.chat.completions.create if kind == "chat" else client.completions.create
         retries = 0
@@ -315,6 +318,16 @@ class OpenAI:
         if key is not None:
             self._cache.put(key, out)
         return out
+
+    def _with_program_hints(self, kw: dict) -> dict:
+        """The running call's program hints (lmc.protocol.current_hints), where the endpoint is known to take
+        them: an lmc server's `program` body field, NVIDIA Dynamo's `nvext` (agent_context + agent_hints)."""
+        hints = current_hints()
+        if hints is None or self.server not in ("lmc", "dynamo"):
+            return kw
+        extra = {**(kw.get("extra_body") or {}),
+                 **({"program": hints.as_dict()} if self.server == "lmc" else {"nvext": hints.dynamo_nvext()})}
+        return {**kw, "extra_body": extra}
 
     # ---- request construction ----------------------------------------------------------------------------
     def _messages(self, text: str, images: list[Image]) -> tuple[list[dict], str]:
@@ -635,6 +648,7 @@ class OpenAI:
         kw["stream_options"] = {"include_usage": True}
         import openai
 
+        kw = self._with_program_hints(kw)
         client = self._client()
         fn = client.chat.completions.create if kind == "chat" else client.completions.create
         try:

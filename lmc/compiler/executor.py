@@ -7,16 +7,19 @@ turns) exactly as the interpreter's expressions do. Every instance of a batch is
 engine's scheduler sees the whole frontier. An instance waits only where the plan says it must: a generate or
 score (its value), a join (its branches), a branch (its test), a break (the segment ends there). Every value an
 operation produces is recorded under the body operation it came from (`Stream.history`), which is what a resumed
-trace replays.
+trace replays. Each generate and score runs with its program hints (lmc.compiler.hints, from the plan's graph)
+as `stream.hints`, which backends send with the request (lmc.protocol.current_hints).
 """
 from __future__ import annotations
 
 import asyncio
 
-from ..protocol import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
+from ..protocol import (capabilities, greedy_token_selection, token_length_normalized,
+                        unconditional_likelihood_normalized)
 from ..protocol.backend import SpecStep, set_current_stream
 from ..frontend.primitives import render_unordered
 from ..frontend.state import Stream
+from .hints import hints_table, request_hints
 from .lower import Branch, Break, Call, Extend, Fork, Generate, Join, Op, Part, Plan, Scope, Score, SetVar
 from .values import apply_transforms, holds
 
@@ -60,6 +63,13 @@ def _method(plan: Plan, op: Score):
     return method
 
 
+def _hints(plan: Plan, op: Op, stream: Stream):
+    """The program hints of an LM call: from the plan's graph, or the table a plan loaded from data came with
+    (None without either)."""
+    table = plan.hints if plan.graph is None else hints_table(plan.graph, stream)
+    return None if table is None else request_hints(table, op.node, stream, plan.program)
+
+
 def _task(stream: Stream, coro) -> asyncio.Task:
     """Run `coro` as its own task with `stream` as the current one (backends account usage to it)."""
     async def run():
@@ -75,13 +85,16 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
     for op in ops:
         if stream.error is not None:
             return None
+        stream.hints = None  # only a generate or score has hints (a fork's prefill hint, say, is no program call)
         try:
             if isinstance(op, Extend):
                 _extend(op.parts, args, stream)
             elif isinstance(op, Generate):
+                stream.hints = _hints(plan, op, stream)
                 spec = (op.spec or _OUTSIDE_GROUPS) if plan.speculation_tokens else None
                 await stream.generate(op.name, op.gen_params(), op.body_op, spec)
             elif isinstance(op, Score):
+                stream.hints = _hints(plan, op, stream)
                 await stream.score(op.name, op.choices, op.temperature, _method(plan, op), op.body_op, op.token_ids,
                                    op.prefill)
             elif isinstance(op, SetVar):
@@ -139,6 +152,13 @@ async def _call(plan: Plan, op: Call, stream: Stream, args: dict) -> None:
 
 async def run_segment(plan: Plan, args: dict, stream: Stream) -> int | None:
     """Run one segment's plan on an instance's stream (fresh, or where the previous segment's break left it);
-    returns the node of the break it stopped at (None: the program is done, or failed: see stream.error)."""
+    returns the node of the break it stopped at (None: the program is done, or failed: see stream.error).
+    On a backend that runs plans server-side, the whole segment is one request where it can be (compiler.remote)."""
+    if capabilities(stream.backend).server_plans:
+        from .remote import run_remote  # (it builds on this module)
+
+        ran, brk = await run_remote(plan, args, stream)
+        if ran:
+            return brk
     brk = await _task(stream, _block(plan, plan.ops, stream, args))
     return None if brk is None else brk.node

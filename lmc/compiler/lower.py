@@ -255,6 +255,11 @@ class Plan:
     speculation_tokens: int | None = None
     callees: dict[str, Any] = field(default_factory=dict, compare=False)
     methods: dict[int, Any] = field(default_factory=dict, compare=False)
+    # the segment graph it was lowered from (runtime only: the executor's program hints come from it, via
+    # lmc.compiler.hints; None for a plan loaded from data)
+    graph: Any = field(default=None, compare=False, repr=False)
+    # runtime only: the program hints by node (lmc.compiler.hints.NodeHints) for a plan without its graph
+    hints: dict[int, Any] | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> "Plan":
         _validate_block(self.ops, "ops", set())
@@ -281,7 +286,7 @@ class Plan:
         if data.get("target") not in ("local", "endpoint", "openai"):
             raise PlanError(f"plan: target {data.get('target')!r} is not one of local, endpoint, openai")
         top = {k: v for k, v in data.items() if k != "version"}
-        plan = _load(cls, top, _At("plan"), skip=("callees", "methods")).validate()
+        plan = _load(cls, top, _At("plan"), skip=("callees", "methods", "graph", "hints")).validate()
         custom = next((o for o in _walk_ops(plan.ops) if isinstance(o, Score) and o.method not in BUILTIN_METHODS),
                       None)
         if custom is not None:  # plan data carries no code: a user-defined method cannot come with it
@@ -421,7 +426,7 @@ def lower(g: ProgramGraph, target, stats: dict[str, dict], speculation_tokens: i
     plan = Plan(g.name, target.kind, ctx.block(roots[0] if roots else None), list(g.params),
                 None if g.inputs is None else list(g.inputs), decided.get("batch_prefix", False),
                 speculation_tokens,
-                methods={n: m for n, m in g.methods.items()})
+                methods={n: m for n, m in g.methods.items()}, graph=g)
     return plan.validate()
 
 

@@ -76,6 +76,7 @@ class Stream:
         # Compiled execution only: body operation -> variable -> (value, meta) produced by it, shared by a
         # stream and its forks (what a resumed trace replays, lmc.compiler.trace). None: not recorded.
         self.history: dict[int, dict[str, tuple]] | None = None
+        self.hints = None  # the ProgramHints of the LM call the plan executor makes now (lmc.protocol.current_hints)
         self._cond = threading.Condition()
         self._queued = 0  # submitted, not yet executed
         self._pending = Counter()  # variable -> producers queued

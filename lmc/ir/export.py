@@ -58,3 +58,37 @@ def graph_dict(g: ProgramGraph) -> dict:
 
 def to_json(g: ProgramGraph) -> str:
     return json.dumps(graph_dict(g), indent=2, sort_keys=True, default=repr)
+
+
+def graph_from_dict(d: dict) -> ProgramGraph:
+    """The graph of `graph_dict(g)` (JSON data, e.g. from a client), validated. IRValidationError naming the node
+    or edge at fault for anything malformed."""
+    from .graph import IRValidationError
+
+    if not isinstance(d, dict) or not isinstance(d.get("nodes"), list) or not isinstance(d.get("edges", []), list):
+        raise IRValidationError("a program graph is an object with a `nodes` list and an `edges` list")
+    params, inputs = d.get("params", []), d.get("inputs")
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params) or \
+            not (inputs is None or isinstance(inputs, list) and all(isinstance(p, str) for p in inputs)):
+        raise IRValidationError("params and inputs must be lists of names")
+    g = ProgramGraph(str(d.get("name", "program")), tuple(params), None if inputs is None else tuple(inputs))
+    for k, n in enumerate(d["nodes"]):
+        if not isinstance(n, dict) or not isinstance(n.get("id"), int) or isinstance(n.get("id"), bool):
+            raise IRValidationError(f"nodes[{k}] must be an object with an integer id")
+        attrs = {a: v for a, v in n.items() if a not in ("id", "kind", "stream")}
+        stream = n.get("stream", 0)
+        if not isinstance(stream, int) or n["id"] in g.g:
+            raise IRValidationError(f"%{n['id']}: a duplicate id or a non-integer stream")
+        try:
+            g.add(n.get("kind"), stream=stream, node_id=n["id"], **attrs)
+        except (IRValidationError, TypeError) as e:
+            raise IRValidationError(f"%{n['id']}: {e}") from None
+    for k, e in enumerate(d.get("edges", [])):
+        ok = isinstance(e, dict) and e.get("source") in g.g and e.get("target") in g.g
+        if not ok:
+            raise IRValidationError(f"edges[{k}] must join two nodes of the graph (source, target)")
+        try:
+            g.connect(e["source"], e["target"], e.get("kind", "order"), e.get("when"))
+        except IRValidationError as err:
+            raise IRValidationError(f"edges[{k}]: {err}") from None
+    return g.validate()

@@ -18,7 +18,8 @@ class Capabilities:
     images: it accepts image() content (a vision model behind an API).
     token_id_selects: `select_tokens` scores single-token choices by their ids in one request (select lowering).
     batch_prefix_sharing: it computes a prefix shared by queued requests once (a batch needs no prefix hint).
-    server_plans: it runs a compiled plan server-side (none does yet).
+    server_plans: it runs a compiled segment whole, server-side (lmc.RuntimeEndpoint on an lmc server, through
+        POST /v1/programs; lmc.compiler.remote).
     planned_speculation: `generate` takes `speculation=SpecStep`, and runs API speculation as a plan says.
     """
     images: bool = False

@@ -217,6 +217,7 @@ class Req:
     output_token_ids_logprobs: list = field(default_factory=list)
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
+    program: Any = None  # lmc.protocol.ProgramHints: the request's program instance and plan position (hints only)
     # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was
     # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
     jump_forward_tokens: int = 0

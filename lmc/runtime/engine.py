@@ -119,17 +119,20 @@ class Engine:
         self._lock = threading.Lock()  # orders submissions against shutdown: nothing is queued after "stop"
         self._closed = False
         self._failed_in_a_row = 0  # steps in a row that needed recover(): a second one fails the queue too
+        self._publish_load()
         self._thread = threading.Thread(target=self._loop, name="lmc-scheduler", daemon=True)
         if start:
             self._thread.start()
 
     # ---- submission ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | None = None, sampling_params: dict | SamplingParams | None = None,
-                     input_ids: Sequence[int] | None = None, **logprob_opts) -> Req:
-        """Validate and tokenize in the caller's thread; raises RequestError naming the problem."""
+                     input_ids: Sequence[int] | None = None, program=None, **logprob_opts) -> Req:
+        """Validate and tokenize in the caller's thread; raises RequestError naming the problem. `program`: the
+        request's program hints (lmc.protocol.ProgramHints or its dict), kept on `Req.program`."""
         self._check_open()
         if self.runner.failure is not None:  # a tensor-parallel worker died: no forward can run
             raise EngineError(f"the engine cannot run requests: {self.runner.failure}; restart it")
+        hints = _program_hints(program)
         limits = dict(vocab_size=self.vocab_size, max_top_logprobs=self.max_top_logprobs)
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params.validate(**limits)
@@ -157,14 +160,15 @@ class Engine:
                                f"{self.context_length}; shorten it")
         if len(ids) >= self.max_total_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_total_tokens}")
-        req = Req(ids, params)
+        req = Req(ids, params, program=hints)
         req.grammar = self.grammars.matcher(params)  # compiles here, off the scheduler thread (cached per grammar)
         return req
 
-    def submit(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> RequestFuture:
+    def submit(self, prompt=None, sampling_params=None, input_ids=None, program=None,
+               **logprob_opts) -> RequestFuture:
         fut = RequestFuture()
         try:
-            req = self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
+            req = self.make_request(prompt, sampling_params, input_ids, program, **logprob_opts)
         except RequestError as e:
             fut.set_exception(e)
             return fut
@@ -194,7 +198,8 @@ class Engine:
         an id that is unknown or already finished is ignored."""
         self._inbox.put(("abort", rid))
 
-    def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts) -> tuple[list[Future], bool]:
+    def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts,
+                    program=None) -> tuple[list[Future], bool]:
         if input_ids is not None and (isinstance(input_ids, (str, bytes, Mapping))
                                       or not hasattr(input_ids, "__len__")):
             raise RequestError("input_ids must be a list of token ids, or a list of such lists")
@@ -211,7 +216,7 @@ class Engine:
             fut = RequestFuture()
             try:
                 req = self.make_request(items[i] if items is not None else None, params[i],
-                                        ids[i] if ids is not None else None, **logprob_opts)
+                                        ids[i] if ids is not None else None, program, **logprob_opts)
                 batch.append((req, fut))
             except RequestError as e:
                 fut.set_exception(e)
@@ -232,12 +237,13 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | None = None,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                 token_ids_logprob: list[int] | None = None):
+                 token_ids_logprob: list[int] | None = None, program=None):
         """SGLang's Engine.generate: one prompt -> one result dict, a list -> a list. In a batch, a request that
-        fails gets a result with `error` and an abort finish reason; the others are unaffected."""
+        fails gets a result with `error` and an abort finish reason; the others are unaffected. `program`: the
+        program hints of every request of the call (lmc.protocol.ProgramHints)."""
         opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
-        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
+        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts, program)
         results = []
         for f in futs:
             try:
@@ -247,10 +253,10 @@ class Engine:
         return self._collect(results, single)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=None,
-                             logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None):
+                             logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None, program=None):
         opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
-        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts)
+        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts, program)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
         except asyncio.CancelledError:  # the caller gave up: stop decoding for nobody
@@ -260,12 +266,13 @@ class Engine:
             raise
         return self._collect(list(results), single)
 
-    def stream(self, prompt=None, sampling_params=None, input_ids=None, **logprob_opts) -> Iterator[dict]:
+    def stream(self, prompt=None, sampling_params=None, input_ids=None, program=None,
+               **logprob_opts) -> Iterator[dict]:
         """Stream one request: yields {"text": delta} chunks as tokens arrive; the last chunk also carries the
         whole result (`output_ids`, `meta_info`). Text that may still turn out to be part of a stop string is held
         back until it is decided. Closing the stream before its end aborts the request."""
         chunks: queue.SimpleQueue = queue.SimpleQueue()
-        fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts, chunks.put)
+        fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts, chunks.put, program=program)
         try:
             while True:
                 chunk = chunks.get()
@@ -278,7 +285,7 @@ class Engine:
                 self.abort(fut.rid)
 
     async def async_stream(self, prompt=None, sampling_params=None, input_ids=None, *, executor=None,
-                           **logprob_opts):
+                           program=None, **logprob_opts):
         """`executor`: where validation, tokenization and grammar compilation run (a server's worker pool, so that
         they never block its event loop); by default in this thread. A RequestError is raised by the first
         `__anext__`."""
@@ -287,9 +294,9 @@ class Engine:
         req = None
         if executor is not None:  # cancelled while it runs, the request is dropped unsubmitted
             req = await loop.run_in_executor(executor, lambda: self.make_request(
-                prompt, sampling_params, input_ids, **logprob_opts))
+                prompt, sampling_params, input_ids, program, **logprob_opts))
         fut = self._submit_streaming(prompt, sampling_params, input_ids, logprob_opts,
-                                     lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c), req)
+                                     lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c), req, program)
         try:
             while (chunk := await chunks.get()) is not None:
                 yield chunk
@@ -299,13 +306,13 @@ class Engine:
                 self.abort(fut.rid)
 
     def _submit_streaming(self, prompt, sampling_params, input_ids, logprob_opts, push,
-                          req: Req | None = None) -> RequestFuture:
+                          req: Req | None = None, program=None) -> RequestFuture:
         """Submit a streamed request (`req`, when already made by make_request). Its chunks also carry
         `completion_tokens` and `cached_tokens` so far (SGLang's streamed meta_info has both in every event)."""
         fut = RequestFuture()
         fut.add_done_callback(lambda f: push(None))
         try:
-            req = req or self.make_request(prompt, sampling_params, input_ids, **logprob_opts)
+            req = req or self.make_request(prompt, sampling_params, input_ids, program, **logprob_opts)
         except RequestError as e:
             fut.set_exception(e)
             return fut
@@ -355,7 +362,24 @@ class Engine:
                 "free_slots": s.allocator.available, "cached_slots": s.cache.total_size,
                 "total_slots": self.max_total_tokens}
 
+    def load(self) -> dict[str, Any]:
+        """KV slots by owner and the queues, as the scheduler thread last published them (after every step and
+        every change to its queues, before any result of it is delivered): free + cached (evictable + protected)
+        + request-owned == total. A snapshot: readers on other threads never touch the scheduler."""
+        return self._load
+
     # ---- scheduler thread ----------------------------------------------------------------------------------
+    def _publish_load(self) -> None:
+        sched = self.scheduler
+        resident, waiting, cache = sched.resident(), list(sched.waiting), sched.cache
+        self._load = {
+            "total_slots": self.max_total_tokens, "free_slots": sched.allocator.available,
+            "evictable_slots": cache.evictable_size, "protected_slots": cache.protected_size,
+            "cached_slots": cache.evictable_size + cache.protected_size,
+            "request_owned_slots": sum(max(0, r.kv_len - r.cache_protected_len) for r in resident if r.row >= 0),
+            "resident_requests": len(resident), "running_requests": len(sched.running),
+            "waiting_requests": len(waiting), "waiting_prompt_tokens": sum(len(r.input_ids) for r in waiting)}
+
     def _loop(self) -> None:
         sched = self.scheduler
         while True:
@@ -385,6 +409,7 @@ class Engine:
                         self._recover(e)
                         req = None
                     if req is not None:
+                        self._publish_load()  # before the caller hears of it: it may read the load next
                         self._deliver(req)
                 elif kind == "flush":
                     self._flushes.append(payload)
@@ -392,6 +417,7 @@ class Engine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            self._publish_load()
             if sched.has_work:
                 t0 = time.perf_counter()
                 try:
@@ -404,12 +430,14 @@ class Engine:
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
                 self._failed_in_a_row = 0
+                self._publish_load()
                 for r in progressed:
                     self._deliver(r)
                 if not sched.has_work and self._futures:  # never leave a caller waiting on a lost request
                     self._fail_all(RuntimeError(f"{len(self._futures)} request(s) left the scheduler unfinished"))
             if not sched.has_work and self._flushes:
                 ok = sched.flush_cache()
+                self._publish_load()
                 for f in self._flushes:
                     f.set_result(ok)
                 self._flushes = []
@@ -478,6 +506,18 @@ def _make_runner(src, weights, device: torch.device, tensor_parallel_size: int, 
     from .distributed import start_runner
 
     return start_runner(src, tensor_parallel_size, device=device, **kwargs)
+
+
+def _program_hints(program):
+    """A request's program hints as ProgramHints (None stays None); RequestError naming the bad field."""
+    if program is None:
+        return None
+    from ..protocol.hints import HintsError, ProgramHints
+
+    try:
+        return ProgramHints.from_dict(program)
+    except HintsError as e:
+        raise RequestError(str(e)) from None
 
 
 def _token_ids(ids) -> list[int]:

@@ -243,7 +243,7 @@ class _SamplingFields(_SGLangFields):
         "return_hidden_states": (False, _NOT_HERE), "return_routed_experts": (False, "the model has no experts"),
         "stop_regex": (None, _NOT_HERE), "no_stop_trim": (False, _NOT_HERE), "lora_path": (None, "no LoRA adapters"),
         "custom_logit_processor": (None, _NOT_HERE)}
-    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"rid", "routing_key"})
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"rid", "routing_key", "nvext"})  # nvext: Dynamo's hints
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -271,6 +271,7 @@ class _SamplingFields(_SGLangFields):
     json_schema: Optional[Union[dict, str]] = None
     structured_outputs: Optional[StructuredOutputs] = None
     return_cached_tokens_details: bool = False  # SGLang's: the response's sglext.cached_tokens_details
+    program: Any = None  # lmc's program hints (lmc.protocol.ProgramHints as an object), checked by the route
 
 
 class CompletionRequest(_SamplingFields):
@@ -349,3 +350,4 @@ class GenerateRequest(_SGLangFields):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    program: Any = None  # lmc's program hints (lmc.protocol.ProgramHints as an object), checked by the route

@@ -23,17 +23,13 @@ from typing import Any
 
 def load_report(engine) -> dict[str, Any]:
     """One rank's load, SGLang's fields: requests running + waiting, tokens held (KV slots owned by requests or
-    pinned by them in the cache) plus the prompt tokens still waiting for admission. Read without stopping the
-    scheduler thread: the lists are copied first, so a torn read is off by a request, never an exception."""
-    from .app import slot_accounting
-
-    sched = engine.scheduler
-    waiting = list(sched.waiting)
-    running = len(sched.running)
-    slots = slot_accounting(engine)
-    held = slots["request_owned_slots"] + slots["protected_slots"]
-    return {"dp_rank": 0, "num_reqs": running + len(waiting), "num_waiting_reqs": len(waiting),
-            "num_tokens": held + sum(len(r.input_ids) for r in waiting), "ts_tic": time.perf_counter()}
+    pinned by them in the cache) plus the prompt tokens still waiting for admission. From the snapshot the
+    engine's scheduler thread publishes after each step (Engine.load): consistent, never read across threads."""
+    load = engine.load()
+    held = load["request_owned_slots"] + load["protected_slots"]
+    return {"dp_rank": 0, "num_reqs": load["running_requests"] + load["waiting_requests"],
+            "num_waiting_reqs": load["waiting_requests"], "num_tokens": held + load["waiting_prompt_tokens"],
+            "ts_tic": time.perf_counter()}
 
 
 def add_worker_routes(app, svc) -> None:

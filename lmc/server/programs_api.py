@@ -1,0 +1,122 @@
+"""POST /v1/programs: whole compiled programs (segments, at graph breaks) run next to the engine, one HTTP request
+for all of a call's instances.
+
+    {"program": <a lowered plan's JSON, or .lmir text or graph JSON>, "arguments": [{...}, ...],
+     "sampling": {...}, "stream": false, "states": [{...}, ...], "ops": {"<node>": <body operation>},
+     "hints": {"<node>": {...}}}
+
+One entry of `arguments` per instance; `sampling` holds the program-level sampling defaults (lmc's GenParams
+names); `states` (optional, one per instance) resumes instances where a previous segment's break left them, after
+the client ran its host code; `ops` (for a graph; a plan's operations carry theirs) maps nodes to the body
+operations their values are recorded under (what the client's resumed trace reads, returned as `history`);
+`hints` (with a plan) its program hints by node (lmc.compiler.hints.table_json). The response holds each
+instance's variables, meta info, text, messages and usage (and `break` / `state` / `history` at a break), or, with
+`"stream": true`, one SSE event per instance as it finishes. Errors are per instance (`error`): one failing
+instance leaves the others standing.
+A program the server will not run is a 400 naming the node or the limit (compiler.hosted.ProgramLimits).
+Nothing a program holds is code (compiler.hosted).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ..compiler.hosted import (ProgramLimits, ProgramRejected, check_arguments, check_program, load_program,
+                               load_hints, program_defaults, program_name, run_instances)
+from .protocol import ApiError, error_body
+from .service import Service, json_object
+from .sse import sse, unless_disconnected
+
+__all__ = ["ProgramLimits", "router"]
+log = logging.getLogger(__name__)
+_FIELDS = {"program", "arguments", "sampling", "stream", "states", "ops", "hints", "model"}
+
+
+def _prepare(svc: Service, body: dict, limits: ProgramLimits):
+    """(program, arguments, defaults, states, ops, hints) of a call, checked (in the worker pool: it parses)."""
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {unknown}; /v1/programs takes {sorted(_FIELDS)}", unknown[0])
+    if "program" not in body:
+        raise ApiError(400, "program is required: a lowered plan's JSON, or the program's graph (.lmir text or its "
+                       "JSON)", "program")
+    try:
+        program = load_program(body["program"])
+        arguments = check_arguments(program, body.get("arguments", [{}]))
+        defaults = program_defaults(body.get("sampling"))
+        check_program(program, limits, defaults, len(arguments))
+        hints = load_hints(program, body.get("hints"))
+    except ProgramRejected as e:
+        raise ApiError(400, str(e), e.field) from None
+    states = body.get("states")
+    if states is not None and (not isinstance(states, list) or len(states) != len(arguments)
+                               or not all(isinstance(s, dict) for s in states)):
+        raise ApiError(400, "states must be a list of objects, one per instance", "states")
+    ops = body.get("ops") or {}
+    try:
+        ops = {int(k): int(v) for k, v in ops.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise ApiError(400, "ops must map node ids to body operation numbers", "ops") from None
+    if not isinstance(body.get("stream", False), bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    return program, arguments, defaults, states, ops, hints
+
+
+def router(svc: Service, limits: ProgramLimits) -> APIRouter:
+    r = APIRouter()
+    backend = None
+
+    def local():
+        nonlocal backend
+        if backend is None:  # the engine as a program backend (lmc.Local), made on first use
+            from ..backend.local import Local
+
+            backend = Local(engine=svc.engine)
+        return backend
+
+    @r.post("/v1/programs")
+    async def programs(request: Request):
+        body = await json_object(request, svc)
+        program, arguments, defaults, states, ops, hints = await svc.offload(_prepare, svc, body, limits)
+        be = await svc.offload(local)
+        svc.admit(len(arguments))
+        pid, created, start = f"prog-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
+        head = {"id": pid, "object": "program.instance", "created": created, "program": program_name(program)}
+        runs = run_instances(program, arguments, be, defaults, states, ops, hints)
+
+        if body.get("stream"):
+            async def events():
+                try:
+                    async for i, result in runs:
+                        yield sse({**head, "index": i, **result})
+                except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
+                    log.exception("a streamed program failed")
+                    yield sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
+                finally:
+                    await runs.aclose()
+                    svc.pending -= len(arguments)
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect():
+            out = [None] * len(arguments)
+            try:
+                async for i, result in runs:
+                    out[i] = {"index": i, **result}
+            finally:
+                await runs.aclose()
+            return out
+
+        try:
+            instances = await unless_disconnected(request, collect())
+        finally:
+            svc.pending -= len(arguments)
+        usage = {k: sum(x["usage"][k] for x in instances) for k in instances[0]["usage"]}
+        return {"id": pid, "object": "program.run", "created": created, "program": program_name(program),
+                "instances": instances, "usage": usage, "latency": time.perf_counter() - start}
+
+    return r

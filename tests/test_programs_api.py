@@ -1,0 +1,345 @@
+"""POST /v1/programs against the real server (one per module, on the session engine): a static compiled instance
+is one HTTP request and gives what the interpreted program gives over RuntimeEndpoint at temperature 0; a program
+with a graph break makes one request per segment; bad programs get a 400 naming the problem while good calls go
+on; streaming; per-instance errors; the fallback to per-call execution on a server without the route; and the
+plan's program hints reaching the engine's requests (Req.program)."""
+import json
+import threading
+
+import pytest
+
+import lmc
+from lmc.compiler.hints import segment_hints
+from lmc.compiler.pipeline import Target
+from lmc.ir.export import graph_dict
+from lmc.ir.text import print_graph
+from lmc.server import ServerThread, create_app
+from lmc.server.programs_api import ProgramLimits
+
+from conftest import API_KEY as KEY
+from test_examples import load
+
+try:
+    import httpx
+except ImportError:  # installs that ship httpx under the name httpx2
+    import httpx2 as httpx
+
+judge = load("judge").judge
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+class CountingApp:
+    """Test double: an ASGI wrapper that records each HTTP request's path (and its JSON body, in `bodies`) and
+    answers 404 for `missing` paths (a server without those routes)."""
+
+    def __init__(self, app, missing=()):
+        self.app, self.missing, self.paths, self.bodies = app, set(missing), [], []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+            if scope["path"] in self.missing:
+                await send({"type": "http.response.start", "status": 404,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": b'{"error": {"message": "Not Found"}}'})
+                return
+            messages, raw = [], b""
+            while True:
+                m = await receive()
+                messages.append(m)
+                raw += m.get("body", b"")
+                if m["type"] != "http.request" or not m.get("more_body"):
+                    break
+            self.bodies.append((scope["path"], json.loads(raw) if raw else None))
+            replay = iter(messages)
+
+            async def receive_again():
+                return next(replay, None) or await receive()
+
+            await self.app(scope, receive_again, send)
+            return
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def counted(engine):
+    app = CountingApp(create_app(engine, api_key=KEY, program_limits=ProgramLimits(
+        max_fork_width=4, max_total_tokens=4096, max_instances=8)))
+    with ServerThread(app) as srv:
+        ep = lmc.RuntimeEndpoint(srv.url, api_key=KEY)
+        yield srv, app, ep
+        ep.shutdown()
+
+
+@lmc.function
+def chain(s, topic):
+    """A chain of 6 short gens and selects."""
+    s += "Topic: " + topic + "\n"
+    for i in range(3):
+        s += f"Fact {i + 1}:" + lmc.gen(f"fact{i}", max_tokens=6, stop="\n") + "\n"
+        s += "Is it true? " + lmc.select(f"true{i}", choices=["yes", "no"]) + "\n"
+
+
+@lmc.function
+def forked(s, topic):
+    s += "Topic: " + topic + "\n"
+    forks = s.fork(2)
+    for k, f in enumerate(forks):
+        f += f"Idea {k}:" + lmc.gen("idea", max_tokens=6, stop="\n")
+    forks.join()
+    s += "Best idea:" + lmc.gen("best", max_tokens=6, stop="\n")
+
+
+def _post(srv, body, **kw):
+    return httpx.post(srv.url + "/v1/programs", json=body, headers=HEADERS, timeout=300, **kw)
+
+
+def test_static_instance_is_one_request_and_matches_interpreted(counted):
+    srv, app, ep = counted
+    interpreted = chain.run(topic="the moon", backend=ep, temperature=0)
+    assert ep.capabilities.server_plans
+    app.paths.clear()
+    compiled = chain.compile().run(topic="the moon", backend=ep, temperature=0)
+    assert app.paths == ["/v1/programs"]
+    assert compiled.variables() == interpreted.variables()
+    assert compiled.text() == interpreted.text()
+    usage = lmc.backend.openai.program_usage(compiled)
+    assert usage.calls >= 6 and usage.completion_tokens > 0
+
+
+def test_forks_and_batches_match_interpreted(counted):
+    srv, app, ep = counted
+    topics = [{"topic": t} for t in ("rivers", "stars", "bread")]
+    interpreted = forked.run_batch(topics, backend=ep, temperature=0)
+    app.paths.clear()
+    compiled = forked.compile().run_batch(topics, backend=ep, temperature=0)
+    # one request per instance, plus the batch's shared-prefix hint (a commit: compiled.py's batch_prefix)
+    assert app.paths.count("/v1/programs") == 3 and app.paths.count("/generate") <= 1 and len(app.paths) <= 4
+    assert [s.variables() for s in compiled] == [s.variables() for s in interpreted]
+
+
+def test_graph_break_makes_one_request_per_segment(counted):
+    srv, app, ep = counted
+    args = dict(question="What is the capital of France?", answer="Paris.")
+    interpreted = judge.run(**args, backend=ep, temperature=0)
+    app.paths.clear()
+    compiled = judge.compile().run(**args, backend=ep, temperature=0)
+    assert app.paths == ["/v1/programs", "/v1/programs"]  # the host code between them ran here
+    assert compiled["scores"] == interpreted["scores"] and compiled["verdict"] == interpreted["verdict"]
+    assert compiled.text() == interpreted.text()
+
+
+def test_direct_call_many_instances_and_streaming(counted):
+    srv, _, _ = counted
+    g = chain.compile().graph()
+    body = {"program": print_graph(g), "arguments": [{"topic": t} for t in ("tea", "salt", "iron")],
+            "sampling": {"temperature": 0}}
+    r = _post(srv, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [x["index"] for x in out["instances"]] == [0, 1, 2]
+    assert all(x["error"] is None and set(x["variables"]) >= {"fact0", "true2"} for x in out["instances"])
+    assert out["usage"]["completion_tokens"] == sum(x["usage"]["completion_tokens"] for x in out["instances"])
+    with httpx.stream("POST", srv.url + "/v1/programs", json={**body, "stream": True}, headers=HEADERS,
+                      timeout=300) as s:
+        events = [line[5:].strip() for line in s.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    streamed = sorted((json.loads(e) for e in events[:-1]), key=lambda e: e["index"])
+    assert [e["variables"] for e in streamed] == [x["variables"] for x in out["instances"]]
+    # the same program as graph JSON runs the same
+    r = _post(srv, {**body, "program": graph_dict(g)})
+    assert [x["variables"] for x in r.json()["instances"]] == [x["variables"] for x in out["instances"]]
+
+
+def _plan_json(program, ep, **concrete) -> dict:
+    """The program's first segment lowered for an lmc server, as data (what `lmc compile --emit plan` prints)."""
+    target = Target("endpoint", ep.chat_template, None, ep.capabilities)
+    return json.loads(json.dumps(program.compile().plan_for(target, **concrete).to_json()))
+
+
+def test_lowered_plan_json_runs_like_the_interpreted_program(counted):
+    srv, _, ep = counted
+    for program, topics in ((chain, ("tea", "salt")), (forked, ("rivers",))):
+        interpreted = program.run_batch([{"topic": t} for t in topics], backend=ep, temperature=0)
+        r = _post(srv, {"program": _plan_json(program, ep), "arguments": [{"topic": t} for t in topics],
+                        "sampling": {"temperature": 0}})
+        assert r.status_code == 200, r.text
+        out = r.json()["instances"]
+        assert all(x["error"] is None for x in out), out
+        assert [x["variables"] for x in out] == [s.variables() for s in interpreted]
+        assert [x["text"] for x in out] == [s.text() for s in interpreted]
+
+
+def test_bad_plans_get_a_400_naming_the_operation(counted):
+    srv, _, ep = counted
+    unknown = _plan_json(chain, ep)
+    unknown["ops"][1]["op"] = "teleport"
+    wide = _plan_json(forked, ep)
+    fork = next(o for o in wide["ops"] if o["op"] == "fork")
+    fork["branches"] = fork["branches"] * 5  # 10 branches, over the fixture's max_fork_width of 4
+    typed = _plan_json(chain, ep)
+    gen = next(o for o in typed["ops"] if o["op"] == "generate")
+    gen["params"]["max_new_tokens"] = "lots"
+    for plan, expected in ((unknown, "ops[1]"), (unknown, "teleport"),
+                           (wide, f"%{fork['node']} (fork): a fork of 10 branches is wider"),
+                           (typed, f"%{gen['node']} (generate): max_new_tokens must be a non-negative integer"),
+                           ({**typed, "version": 99}, "version 99")):
+        r = _post(srv, {"program": plan, "arguments": [{"topic": "x"}]})
+        assert r.status_code == 400, (expected, r.text)
+        assert expected in r.json()["error"]["message"], r.text
+    good = _plan_json(chain, ep)
+    node = next(o["node"] for o in good["ops"] if o["op"] == "generate")
+    for hints, expected in (([], "hints must map node ids"),
+                            ({str(node): {"calls_left": -1, "tokens_left": None, "next_use": None}},
+                             f"hints['{node}'].calls_left must be a non-negative integer")):
+        r = _post(srv, {"program": good, "arguments": [{"topic": "x"}], "hints": hints})
+        assert r.status_code == 400, (expected, r.text)
+        assert expected in r.json()["error"]["message"], r.text
+
+
+def test_one_failing_instance_leaves_the_others(counted):
+    srv, _, _ = counted
+    g = print_graph(chain.compile().graph())
+    r = _post(srv, {"program": g, "arguments": [{"topic": "tea"}, {"topic": "word " * 20000}],
+                    "sampling": {"temperature": 0}})
+    assert r.status_code == 200
+    ok, bad = r.json()["instances"]
+    assert ok["error"] is None and ok["variables"]["fact0"] is not None
+    assert "context length" in bad["error"]["message"]
+
+
+def _bad_bodies():
+    g = chain.compile().graph()
+    unknown = graph_dict(g)
+    unknown["nodes"][1]["kind"] = "teleport"
+    wide = graph_dict(forked.compile().graph())
+    fork = next(n for n in wide["nodes"] if n["kind"] == "fork")
+    fork["size"] = 9  # the branches as listed no longer match: the width check comes first
+    big = graph_dict(g)
+    gen = next(n for n in big["nodes"] if n["kind"] == "gen")
+    gen["params"]["max_new_tokens"] = 5000
+    return [
+        ({"program": "program broken( {"}, "not a valid lmc IR text"),
+        ({"program": unknown}, "teleport"),
+        ({"program": wide, "arguments": [{"topic": "x"}]}, f"%{fork['id']} (fork): a fork of 9 branches is wider"),
+        ({"program": big, "arguments": [{"topic": "x"}]}, f"(%{gen['id']} gen 'fact0' alone 5000), more than this "
+                                                          "server's budget of 4096 tokens per call (max_total_tokens)"),
+        ({"program": print_graph(g), "arguments": [{"topic": "x"}] * 9}, "max_instances"),
+        ({"program": print_graph(g), "arguments": [{}]}, "lacks parameter(s) ['topic']"),
+        ({"program": print_graph(g), "arguments": [{"topic": "x"}], "sampling": {"temprature": 0}}, "temprature"),
+    ]
+
+
+def test_bad_programs_get_a_400_naming_the_problem_while_others_run(counted):
+    srv, _, _ = counted
+    good = {"program": print_graph(chain.compile().graph()), "arguments": [{"topic": "milk"}],
+            "sampling": {"temperature": 0}}
+    results, stop = [], threading.Event()
+
+    def keep_serving():
+        while not stop.is_set():
+            results.append(_post(srv, good).status_code)
+
+    t = threading.Thread(target=keep_serving)
+    t.start()
+    try:
+        for body, expected in _bad_bodies():
+            r = _post(srv, body)
+            assert r.status_code == 400, (expected, r.text)
+            assert expected in r.json()["error"]["message"], r.text
+    finally:
+        stop.set()
+        t.join()
+    assert results and set(results) == {200}
+    assert httpx.post(srv.url + "/v1/programs", json=good, timeout=60).status_code == 401  # the API key applies
+
+
+def test_fallback_to_per_call_on_a_server_without_the_route(engine):
+    app = CountingApp(create_app(engine, api_key=KEY), missing={"/v1/programs"})
+    with ServerThread(app) as srv:
+        ep = lmc.RuntimeEndpoint(srv.url, api_key=KEY)
+        try:
+            compiled = chain.compile().run(topic="the sea", backend=ep, temperature=0)
+            assert not ep.capabilities.server_plans  # switched off after the 404
+            assert app.paths.count("/v1/programs") == 1 and app.paths.count("/generate") >= 6
+            assert compiled.variables() == chain.run(topic="the sea", backend=ep, temperature=0).variables()
+        finally:
+            ep.shutdown()
+
+
+def test_program_field_on_generate_and_openai_routes(counted):
+    srv, _, _ = counted
+    hints = {"instance": "abc", "calls_left": 3, "tokens_left": 40, "next_use": 1, "program": "p"}
+    r = httpx.post(srv.url + "/generate", headers=HEADERS, json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "program": hints})
+    assert r.status_code == 200, r.text
+    for body, field in ((dict(hints, calls_left="3"), "program.calls_left"), ("abc", "program"),
+                        (dict(hints, colour=1), "colour")):
+        r = httpx.post(srv.url + "/v1/completions", headers=HEADERS, json={
+            "prompt": "Hi", "max_tokens": 2, "program": body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "program"
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=HEADERS, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "program": hints})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("via", ["local", "server"])
+def test_hints_reach_the_engine_requests(engine, counted, via):
+    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph)."""
+    seen = []
+    sched = engine.scheduler
+    add = sched.add
+    srv, app, ep = counted
+
+    def recording_add(req):  # the scheduler thread calls it for each request it receives
+        seen.append(req.program)
+        return add(req)
+
+    sched.add = recording_add
+    app.bodies.clear()
+    try:
+        chain.compile().run(topic="glass", backend=lmc.Local(engine=engine) if via == "local" else ep,
+                            temperature=0)
+    finally:
+        del sched.add
+    if via == "server":
+        assert [p for p, _ in app.bodies] == ["/v1/programs"] and app.bodies[0][1]["hints"]
+    hinted = [h for h in seen if h is not None]
+    assert len(hinted) == len(seen) >= 6
+    assert len({h.instance for h in hinted}) == 1 and {h.program for h in hinted} == {"chain"}
+    calls = [h.calls_left for h in hinted]
+    assert calls[0] == 6 and calls[-1] == 1 and calls == sorted(calls, reverse=True)
+    assert hinted[0].tokens_left == 3 * 6 + 3 and hinted[-1].tokens_left == 1
+    assert hinted[-1].next_use is None and all(h.next_use == 1 for h in hinted[:-1] if h.calls_left > 1)
+
+
+def test_segment_hints_of_a_fork():
+    g = forked.compile().graph()
+    hints = segment_hints(g)
+    gens = {g.node(n).attrs["name"]: (n, h) for n, h in hints.items() if g.node(n).kind == "gen"}
+    (_, best) = gens["best"]
+    assert best.calls_left == 1 and best.next_use is None and best.tokens_left == 6
+    branch = [h for n, h in hints.items() if g.node(n).attrs["name"] != "best"]
+    assert all(h.calls_left == 2 and h.next_use is None for h in branch)  # a branch's last call: no later use
+    assert {h.tokens_left for h in branch} == {18}  # both branches (concurrent) and the final gen
+
+
+@pytest.mark.parametrize("server", ["lmc", "dynamo"])
+def test_openai_backend_sends_the_hints(counted, server):
+    srv, app, _ = counted
+    be = lmc.OpenAI("smollm2", base_url=srv.url + "/v1", api_key=KEY, server=server)
+    try:
+        app.bodies.clear()
+        chain.compile().run(topic="ice", backend=be, temperature=0)
+    finally:
+        be.shutdown()
+    sent = [b for p, b in app.bodies if p.startswith("/v1/")]
+    assert len(sent) >= 6
+    if server == "lmc":
+        ids = {b["program"]["instance"] for b in sent}
+        assert len(ids) == 1 and sent[0]["program"]["calls_left"] == 6 and sent[0]["program"]["program"] == "chain"
+    else:  # NVIDIA Dynamo's shape: the instance is the session and the trajectory
+        ids = {b["nvext"]["agent_context"]["session_id"] for b in sent}
+        assert len(ids) == 1 and sent[0]["nvext"]["agent_hints"]["osl"] == 3 * 6 + 3
+        assert all("program" not in b for b in sent)
