@@ -462,7 +462,8 @@ def render_cpu_vs_vllm(r: dict, _dir: Path) -> str:
 
 
 SERVING_ROWS = {"requests_per_s": ("requests/s", 2), "output_tok_s": ("output tokens/s", 1),
-                "mean_tpot_ms": ("mean time per output token (ms)", 0), "mean_ttft_ms": ("mean time to first token (ms)", 0),
+                "mean_tpot_ms": ("mean time per output token (ms)", 0),
+                "mean_ttft_ms": ("mean time to first token (ms)", 0),
                 "mean_e2e_latency_ms": ("mean end-to-end latency (ms)", 0), "server_start_s": ("server start (s)", 1)}
 
 
