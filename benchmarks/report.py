@@ -439,14 +439,15 @@ CPU_VS_VLLM_ROWS = {"decode_b16_tok_s": ("decode, batch 16 (tokens/s)", 1),
                     "second_start_s": ("second start (s)", 1)}
 
 
-@section("cpu_vs_vllm.json")
+@section("cpu_vs_vllm*.json")
 def render_cpu_vs_vllm(r: dict, _dir: Path) -> str:
     """cpu_vs_vllm.py: lmc's configurations and vLLM-CPU as columns, then lmc / vLLM."""
     res, names = r["results"], list(r["systems"])
     rows = [[label] + [fig(res[n][key], digits) if key in res[n] else "-" for n in names]
             for key, (label, digits) in CPU_VS_VLLM_ROWS.items() if any(key in res[n] for n in names)]
-    rows += [[f"outputs equal to lmc's: {w}"] + [pct(res[n]["outputs_equal_to_lmc"][w], 0, exact=True)
-                                                 for n in names] for w in ("decode_b16", "no_sharing")]
+    if all("outputs_equal_to_lmc" in res[n] for n in names):
+        rows += [[f"outputs equal to lmc's: {w}"] + [pct(res[n]["outputs_equal_to_lmc"][w], 0, exact=True)
+                                                     for n in names] for w in ("decode_b16", "no_sharing")]
     out = ["## CPU: lmc against vLLM-CPU, engine to engine, embedded model\n",
            f"{r['model']} in {r['dtype']}, {r['threads']} threads each, byte-identical token prompts, greedy with "
            "EOS ignored, each system in a fresh process per repetition (its start time measured each time), "
