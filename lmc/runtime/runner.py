@@ -31,6 +31,7 @@ from .attention import ForwardBatch, make_backend
 from .core import Req
 from .grammar import apply_grammar_masks
 from .memory import DUMMY_ROW, KVCache
+from .model.linear import prepack_linears
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
 from .sampling import sample, token_logprobs
 
@@ -195,6 +196,7 @@ class ModelRunner:
         self.context_length = context_length
         self.tp = tp
         model = self._build_model(weights, seed)
+        prepack_linears(model)  # CPU fp32: weights into oneDNN's blocked layout (linear.py)
         self.model = model.eval()
         self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)

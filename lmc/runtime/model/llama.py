@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from .linear import Linear
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,11 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(residual, x, self.weight, self.eps)
 
 
-@torch.compiler.disable
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx) -> torch.Tensor:
-    """Write the new tokens' K/V into the slot-indexed pool, then attend. Outside any torch.compile graph: the
-    in-place writes into the pool would be functionalized into copies of whole buffers, and the backends'
-    kernels are fused already."""
+    """Write the new tokens' K/V into the slot-indexed pool, then attend. Kept outside any torch.compile graph
+    (compiled.py wraps it in torch.compiler.disable; not here, since that decorator imports dynamo, seconds of
+    every start): the in-place writes into the pool would be functionalized into copies of whole buffers, and
+    the backends' kernels are fused already."""
     ctx.kv_cache.write(layer_id, ctx.out_slots, k, v)
     return ctx.attn.forward(q, layer_id, ctx)
 
@@ -87,8 +88,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v in one GEMM: one weight read per step instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -106,8 +107,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
@@ -141,10 +142,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init of a table that is loaded next (as Linear, which allocates without init)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:  # one parameter, named (and loaded) as the embedding's
+            self.lm_head.weight = self.embed_tokens.weight
         self.rope: torch.Tensor | None = None  # [2, max_position, head_dim], set by the runner (rope_cos_sin)
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
@@ -154,8 +159,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h, residual = layer(h, residual, ctx)
         _, h = self.norm.add(residual[ctx.logits_index], h[ctx.logits_index])  # the last add, at logit rows only
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.lm_head(h).float()
 
     def _shard_sizes(self, fused: str) -> list[int]:
         c = self.cfg
@@ -175,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied to the embedding
             parts = name.split(".")
             target, shard = name, None

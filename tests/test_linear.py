@@ -1,0 +1,67 @@
+"""The model's Linear (lmc/runtime/model/linear.py): prepacked for oneDNN on the CPU in fp32, F.linear elsewhere."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmc.runtime.model.linear import Linear, prepack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def make(in_f: int, out_f: int, bias: bool, seed: int = 0) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(out_f, generator=g))
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_matches_dense_at_every_batch_size(bias):
+    lin = make(96, 160, bias)
+    w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    assert lin.prepack() and lin.packed is not None and lin.weight is None  # the dense copy is dropped
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 3, 16, 17, 100):  # the layout is packed for a batch of 16; every batch size must work
+        x = torch.randn(m, 96, generator=g)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 5, 96, generator=g)  # leading dimensions pass through
+    torch.testing.assert_close(lin(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_set_weight_repacks():
+    lin = make(32, 48, False)
+    lin.prepack()
+    new = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+    lin.set_weight(new)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(lin(x), F.linear(x, new), rtol=1e-5, atol=1e-4)
+
+
+def test_only_cpu_fp32_is_prepacked():
+    lin = make(32, 48, True).to(torch.bfloat16)
+    assert not lin.prepack() and lin.weight is not None and lin.packed is None
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_tied_lm_head_is_the_embedding_and_packs_from_it():
+    from transformers import LlamaConfig
+
+    from lmc.runtime.model.llama import LlamaForCausalLM, ModelConfig
+
+    hf = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, vocab_size=50, tie_word_embeddings=True)
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf))
+    assert model.lm_head.weight is model.embed_tokens.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "embed_tokens.weight" in names and "lm_head.weight" not in names  # one parameter, loaded once
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.randn(50, 32))
+    h = torch.randn(3, 32)
+    want = F.linear(h, model.embed_tokens.weight)
+    assert prepack_linears(model) == 5  # qkv, o, gate_up, down, lm-head
+    assert model.embed_tokens.weight is not None  # the embedding keeps its table
+    torch.testing.assert_close(model.lm_head(h), want, rtol=1e-5, atol=1e-4)
