@@ -241,6 +241,7 @@ class ModelRunner:
         model = model.to(self.dtype).to_empty(device=self.device)
         if tp is not None:
             tp.shard(model, self.cfg.vocab_size)
+        model.tie_weights()  # to_empty and sharding replaced the parameters a tie shares
         if weights is None:
             fill_dummy(model, seed) if tp is None else tp.fill_dummy(model, self.cfg, seed)
         else:

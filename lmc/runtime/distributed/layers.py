@@ -39,8 +39,6 @@ def shard_model(model: nn.Module, plan: ShardPlan, vocab_size: int, comm) -> nn.
     emb = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(emb.weight.shape[0], emb.weight.shape[1], plan.v0, comm,
                                                 device=emb.weight.device, dtype=emb.weight.dtype)
-    if model.cfg.tie_word_embeddings:  # the lm-head reads the embedding's rows: this rank's vocabulary shard
-        model.lm_head.weight = model.embed_tokens.weight
 
     def reduce_output(module, args, out):
         return comm.all_reduce(out)

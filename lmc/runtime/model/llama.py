@@ -148,9 +148,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:  # one parameter, named (and loaded) as the embedding's
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rope: torch.Tensor | None = None  # [2, max_position, head_dim], set by the runner (rope_cos_sin)
+
+    def tie_weights(self) -> None:
+        """With tied embeddings, the lm-head's weight is the embedding's one parameter (named and loaded as the
+        embedding's). Again after anything that replaces parameters (`to_empty`, a vocabulary-parallel embedding)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """Returns logits (fp32) for the token positions in `ctx.logits_index` only."""
