@@ -4,6 +4,10 @@
 The server is started in its own process group and stopped by signalling that group: vLLM's engine core and
 worker are children that outlive the API server's process when only it is signalled. Its first start compiles for
 a few minutes on two cores (later starts reuse the compile cache).
+
+`LMC_PEER_URL=http://127.0.0.1:PORT/v1` attaches to a server already started with `python benchmarks/suite/peer.py`
+(the same command line) instead of starting one: several recorded benchmarks then share one start. The attached
+server's prefix cache is reset on attach, so no run sees another run's cache.
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ class VLLMServer:
                 "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len)]
 
     def start(self) -> "VLLMServer":
+        if os.environ.get("LMC_PEER_URL"):
+            return self._attach(os.environ["LMC_PEER_URL"].rstrip("/"))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "OMP_NUM_THREADS": str(self.threads),
                "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ""}
         t0 = time.perf_counter()
@@ -79,13 +85,25 @@ class VLLMServer:
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def _attach(self, base_url: str) -> "VLLMServer":
+        """Use the server at base_url; stop() leaves it running (whoever started it stops it)."""
+        self.base_url, self.port, self.start_seconds = base_url, int(base_url.rsplit(":", 1)[1].split("/")[0]), None
+        r = httpx.get(base_url + "/models", timeout=10)
+        r.raise_for_status()
+        served = [m["id"] for m in r.json()["data"]]
+        if served != [SERVED_NAME]:
+            raise RuntimeError(f"LMC_PEER_URL={base_url} serves {served}, not [{SERVED_NAME!r}]: start it with "
+                               "`python benchmarks/suite/peer.py`")
+        self.reset_prefix_cache()
+        return self
+
     def reset_prefix_cache(self) -> None:
         r = httpx.post(self.base_url[:-3] + "/reset_prefix_cache", timeout=60)
         r.raise_for_status()
 
     def stop(self) -> None:
         """SIGTERM to the whole process group (API server, engine core, worker), SIGKILL after 30 s."""
-        if self.proc is None:
+        if self.proc is None:  # never started, or attached to a server that someone else stops
             return
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -118,3 +136,17 @@ def _group_alive(pgid: int) -> bool:
     # a zombie leader keeps the group "alive" until reaped: look for members that still run
     rows = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout.splitlines()
     return any(int(g) == pgid and not st.startswith("Z") for g, st in (r.split() for r in rows if r.strip()))
+
+
+if __name__ == "__main__":  # a long-lived peer server for LMC_PEER_URL: runs until interrupted
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from lmc.runtime.model.loader import resolve
+
+    srv = VLLMServer(resolve("smollm2-135m-instruct").tokenizer_dir, log_path=sys.argv[1] if len(sys.argv) > 1 else None).start()
+    print(f"LMC_PEER_URL={srv.base_url}  (started in {srv.start_seconds:.0f} s)", flush=True)
+    try:
+        signal.pause()
+    finally:
+        srv.stop()
