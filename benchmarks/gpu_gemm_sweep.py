@@ -1,0 +1,104 @@
+"""Decode-sized linears on the GPU: cuBLAS (F.linear) against the Triton skinny GEMM (kernels/skinny_gemm.py) over
+a grid of tile configurations, for every linear of llama-2-7b and llama-3-8b at decode batch sizes. Each figure is
+the per-call time inside a replayed CUDA graph (as a decode step runs them) over enough weight copies that they
+do not fit in L2, against the byte floor (weight + activations over the copy bandwidth measured here).
+
+    python benchmarks/gpu_gemm_sweep.py --out gemm_sweep.json    # on the GPU; prints the best config per shape
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lmc.runtime.kernels.skinny_gemm import skinny_gemm  # noqa: E402
+
+SHAPES = {  # name: (N, K)
+    "llama-2-7b qkv": (12288, 4096), "llama-2-7b o": (4096, 4096), "llama-2-7b gate_up": (22016, 4096),
+    "llama-2-7b down": (4096, 11008), "llama-2-7b lm_head": (32000, 4096),
+    "llama-3-8b qkv": (6144, 4096), "llama-3-8b o": (4096, 4096), "llama-3-8b gate_up": (28672, 4096),
+    "llama-3-8b down": (4096, 14336), "llama-3-8b lm_head": (128256, 4096),
+}
+CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((16, 32, 64), (128, 256, 512),
+                                                                    ((4, 3), (4, 5), (8, 4)))]
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    a, b = torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    return 2 * n * 2 * 10 / (s.elapsed_time(e) / 1e3)
+
+
+def per_call_us(fn, xs, ws, replays=10) -> float:
+    """fn(x, w) over every weight copy in one CUDA graph, replayed; median replay / copies."""
+    fn(xs[0], ws[0])
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for x, w in zip(xs, ws):
+            fn(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(ws))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,32,64")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    res = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bw, "shapes": []}
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), [int(x) for x in args.ms.split(",")]):
+        copies = max(4, -(-(512 << 20) // (n * k * 2)))  # >= 512 MiB of weights: far past the 60 MB L2
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        floor = (n * k + m * (n + k)) * 2 / bw * 1e6
+        row = {"shape": name, "N": n, "K": k, "M": m, "floor_us": floor,
+               "cublas_us": per_call_us(lambda x, w: F.linear(x, w), xs, ws), "triton": []}
+        ref = F.linear(xs[0], ws[0]).float()
+        for cfg in CONFIGS:
+            try:
+                err = ((skinny_gemm(xs[0], ws[0], cfg).float() - ref).norm() / ref.norm()).item()
+                t = per_call_us(lambda x, w, cfg=cfg: skinny_gemm(x, w, cfg), xs, ws)
+            except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit
+                row["triton"].append({"config": cfg, "error": str(e)[:80]})
+                continue
+            row["triton"].append({"config": cfg, "us": t, "rel_err": err})
+        ok = [t for t in row["triton"] if "us" in t]
+        best = min(ok, key=lambda t: t["us"])
+        row["best"] = best
+        res["shapes"].append(row)
+        print(f"{name:20s} M={m:3d} floor {floor:7.1f} us  cublas {row['cublas_us']:7.1f} "
+              f"({floor / row['cublas_us']:.0%})  triton {best['us']:7.1f} ({floor / best['us']:.0%}) "
+              f"{best['config']} err {best['rel_err']:.1e}", flush=True)
+        del ws, xs
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

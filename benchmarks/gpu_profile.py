@@ -1,0 +1,177 @@
+"""Where a decode step's time goes on the GPU: torch.profiler around Engine.generate for a dummy-shaped model,
+with the paths the step took (fused kernels, CUDA-graph replays, overlap scheduling) checked by counting calls.
+
+Per batch size it reports wall ms/step without the profiler (overlap on and off), and from one profiled run:
+GPU kernel time per step, the GPU's busy share of the decode window (the union of kernel intervals over the
+window: what the host leaves idle), launches per step, the top kernels and the top host ops by self time. It also
+checks that overlap on and off give the same greedy tokens.
+
+    python benchmarks/gpu_profile.py --shape llama-2-7b --batches 1,64 --out profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_check import build, sync, time_call  # noqa: E402
+
+import lmc.runtime.kernels as kernels  # noqa: E402
+from lmc.runtime import cuda_graph  # noqa: E402
+
+
+def count_calls(targets: list[tuple[object, str]]):
+    """Wrap each (owner, attribute) callable to count its calls; returns (counter, undo)."""
+    counts, saved = Counter(), []
+    for owner, name in targets:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn))
+
+        def wrapped(*a, _fn=fn, _key=f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", **kw):
+            counts[_key] += 1
+            return _fn(*a, **kw)
+        setattr(owner, name, wrapped)
+
+    def undo():
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return counts, undo
+
+
+def gen(eng, ids, n):
+    return eng.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+
+
+def busy_share(events, t0, t1) -> float:
+    """Union of [start, end) of the kernel intervals within [t0, t1), over t1 - t0."""
+    spans = sorted((max(s, t0), min(e, t1)) for s, e in events if e > t0 and s < t1)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy / (t1 - t0)
+
+
+@torch.inference_mode()
+def profile_batch(eng, cfg, dev, batch, prompt_len, steps) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=g).tolist()
+    out = {"batch": batch, "prompt_tokens": prompt_len, "steps": steps}
+    for overlap in (True, False):
+        eng.scheduler.overlap = overlap
+        gen(eng, ids, steps + 1)  # warm-up
+        ms = []
+        for _ in range(3):
+            eng.flush_cache()
+            t_full = time_call(lambda: gen(eng, ids, steps + 1), dev)
+            eng.flush_cache()
+            t_one = time_call(lambda: gen(eng, ids, 1), dev)
+            ms.append((t_full - t_one) / steps * 1e3)
+        out[f"wall_ms_per_step_overlap_{'on' if overlap else 'off'}"] = sorted(ms)
+        eng.flush_cache()
+        out[f"tokens_overlap_{'on' if overlap else 'off'}"] = [r["output_ids"] for r in gen(eng, ids[:8], 24)]
+    out["greedy_tokens_equal_overlap_on_off"] = out.pop("tokens_overlap_on") == out.pop("tokens_overlap_off")
+    eng.scheduler.overlap = True
+
+    counts, undo = count_calls([(cuda_graph.DecodeGraphs, "replay"), (kernels, "add_rms_norm"),
+                                (kernels, "rope_q_write_kv"), (kernels, "silu_mul"), (kernels, "rms_norm")])
+    try:
+        eng.flush_cache()
+        gen(eng, ids, steps + 1)
+    finally:
+        undo()
+    out["calls_during_generate"] = dict(counts)  # kernels.* counted at capture only when graphs replay
+
+    def prof_run(n):
+        eng.flush_cache()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen(eng, ids, n)
+            sync(dev)
+        return prof
+
+    prof = prof_run(steps + 1)
+    evs = prof.events()
+    kern_named = [(e.time_range.start, e.time_range.end, e.name) for e in evs if str(e.device_type).endswith("CUDA")]
+    # The decode window: from the prefill's last attention kernel to the last kernel.
+    kern_named.sort()
+    if not kern_named:  # the CPU smoke run: no device kernels
+        kern_named = [(0, 1, "none")]
+    ext = [e for s, e, n in kern_named if "_extend_kernel" in n]
+    t0 = max(ext) if ext else kern_named[0][0]
+    t1 = kern_named[-1][1]
+    dec = [(s, e, n) for s, e, n in kern_named if s >= t0]
+    per = Counter()
+    cnt = Counter()
+    for s, e, n in dec:
+        per[n] += e - s
+        cnt[n] += 1
+    out["profiled_window_ms_per_step"] = (t1 - t0) / 1e3 / steps
+    out["gpu_kernel_ms_per_step"] = sum(per.values()) / 1e3 / steps
+    out["gpu_busy_share_of_window"] = busy_share([(s, e) for s, e, _ in dec], t0, t1)
+    out["launches_per_step"] = sum(cnt.values()) / steps
+    out["top_kernels"] = [{"name": n[:110], "ms_per_step": t / 1e3 / steps, "per_step": cnt[n] / steps}
+                          for n, t in per.most_common(18)]
+    host = Counter()
+    for e in prof.key_averages():
+        if not str(e.device_type).endswith("CUDA"):
+            host[e.key] = e.self_cpu_time_total
+    out["top_host_ops_self_ms_per_step"] = [{"name": k[:80], "ms": v / 1e3 / steps} for k, v in host.most_common(15)]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-2-7b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--kv-tokens", type=int, default=40960)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        args.shape, args.prompt_len, args.steps, args.kv_tokens = "tiny", 16, 3, 4096
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg, hf, eng = build(args.shape, dev, torch.float32 if args.smoke else torch.bfloat16, args.kv_tokens, "auto",
+                         max(batches))
+    del hf
+    res = {"shape": args.shape, "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
+           "paths": {"attention": type(eng.runner.attn).__name__, "cuda_graphs": eng.runner.graphs is not None,
+                     "graph_buckets": sorted(eng.runner.graphs.graphs) if eng.runner.graphs else [],
+                     "overlap_schedule": eng.overlap_schedule,
+                     "fused_on_cuda": kernels._fused(torch.empty(1, device=dev))},
+           "batches": []}
+    for b in batches:
+        res["batches"].append(profile_batch(eng, cfg, dev, b, args.prompt_len, args.steps))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    eng.shutdown()
+    print(json.dumps(res["paths"]))
+    for r in res["batches"]:
+        print(f"batch {r['batch']}: wall on {r['wall_ms_per_step_overlap_on']} off {r['wall_ms_per_step_overlap_off']}"
+              f" | gpu kernels {r['gpu_kernel_ms_per_step']:.3f} ms/step, window {r['profiled_window_ms_per_step']:.3f},"
+              f" busy {r['gpu_busy_share_of_window']:.0%}, launches {r['launches_per_step']:.0f}, same tokens "
+              f"{r['greedy_tokens_equal_overlap_on_off']}, calls {r['calls_during_generate']}")
+        for k in r["top_kernels"][:12]:
+            print(f"   {k['ms_per_step']:.4f} ms x{k['per_step']:.0f}  {k['name']}")
+        for h in r["top_host_ops_self_ms_per_step"][:8]:
+            print(f"   host {h['ms']:.4f} ms  {h['name']}")
+
+
+if __name__ == "__main__":
+    main()
