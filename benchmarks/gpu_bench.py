@@ -75,6 +75,16 @@ def ceilings(dev, repeat) -> dict:
     return {"copy_bytes_s": spread(bw), "bf16_matmul_flop_s": spread(flops)}
 
 
+def alternate(lmc, hf_run, repeat) -> tuple[list[float], list[float]]:
+    """One warm-up of each, then `repeat` rounds of lmc then transformers: (lmc times, transformers times)."""
+    lmc(), hf_run()
+    lmc_t, hf_t = [], []
+    for _ in range(repeat):
+        lmc_t.append(lmc())
+        hf_t.append(hf_run())
+    return lmc_t, hf_t
+
+
 def non_embedding_params(cfg) -> int:
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hd = h // cfg.num_attention_heads
@@ -108,11 +118,7 @@ def prefill(hf, eng, cfg, dev, repeat, n_prompts, length, hf_chunk, matmul_rate)
                 hf.lm_head(h).argmax(-1)
         return time_call(go, dev)
 
-    lmc(), hf_run()  # warm-up
-    lmc_t, hf_t = [], []
-    for _ in range(repeat):
-        lmc_t.append(lmc())
-        hf_t.append(hf_run())
+    lmc_t, hf_t = alternate(lmc, hf_run, repeat)
     flops = prefill_flops(cfg, [length] * n_prompts)
     tokens = n_prompts * length
     return {"prompts": n_prompts, "prompt_tokens": length, "hf_batch": hf_chunk, "flops": flops,
@@ -154,11 +160,7 @@ def no_sharing(hf, eng, cfg, dev, repeat, n, max_prompt, max_output, hf_chunk) -
                             pad_token_id=0)
         return time_call(go, dev)
 
-    lmc(), hf_run()  # warm-up
-    lmc_t, hf_t = [], []
-    for _ in range(repeat):
-        lmc_t.append(lmc())
-        hf_t.append(hf_run())
+    lmc_t, hf_t = alternate(lmc, hf_run, repeat)
     out_tok = sum(outs)
     return {"requests": n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tok, "hf_batch": hf_chunk,
             "lmc_requests_s": spread([n / t for t in lmc_t]), "hf_requests_s": spread([n / t for t in hf_t]),
@@ -255,11 +257,7 @@ def kernel_ab(hf, eng, cfg, dev, repeat, batches, prompt_len, new, kv_tokens, pr
                 with torch_ops_only():
                     return step_ms(ref)
 
-            step_ms(eng), plain_ms()  # warm-up
-            fused, plain = [], []
-            for _ in range(repeat):
-                fused.append(step_ms(eng))
-                plain.append(plain_ms())
+            fused, plain = alternate(lambda: step_ms(eng), plain_ms, repeat)
             out["decode"].append({"batch": b, "prompt_tokens": prompt_len, "generated": new,
                                   "fused_ms_per_step": spread(fused), "torch_ops_ms_per_step": spread(plain),
                                   "speedup": spread([p / f for p, f in zip(plain, fused)])})

@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--kv-tokens", type=int, default=40960)
+    ap.add_argument("--kv-tokens", type=int, default=81920)  # batch 256 x 288 tokens fits
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
     args = ap.parse_args()

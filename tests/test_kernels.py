@@ -169,3 +169,17 @@ def test_rope_q_write_kv_writes_only_the_new_slots(dtype, hq, hkv, dim):
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
     with pytest.raises(ValueError, match="caches must be"):
         ops.rope_q_write_kv(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim, k_cache[:, :, :-1], v_cache, slots)
+
+
+def test_rope_qk_long_extend_runs_one_program_per_token():
+    """Past _ROPE_SPLIT_MAX_TOKENS a token's heads stay in one program: the same numbers as the split launch."""
+    dev = kernel_device(ops._rope_qk_kernel)
+    tokens, hq, hkv, dim = ops._ROPE_SPLIT_MAX_TOKENS + 1, 2, 1, 16
+    qkv = rand(tokens, (hq + 2 * hkv) * dim, dtype=torch.float32, dev=dev, seed=15)
+    cos_t, sin_t = rope_tables(512, dim, torch.float32, dev)
+    pos = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(16)).to(dev)
+    got = ops.rope_qk(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim)
+    split = ops.rope_qk(qkv[:2], cos_t[pos[:2]], sin_t[pos[:2]], hq, hkv, dim)
+    for a, b, r in zip(got, split, reference.rope_qk(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim)):
+        assert_within_ulps(a, r, torch.float32)
+        assert torch.equal(a[:2], b)

@@ -54,6 +54,11 @@ def _decode_block_n(row_bytes: int) -> int:
     return min(128, max(16, 32768 // row_bytes))
 
 
+def _decode_config(programs: int, row_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of decode stage 1 for `programs` = batch x KV heads."""
+    return _decode_block_n(row_bytes), 4, 2
+
+
 @triton.jit
 def _online_softmax_step(qk, v, m_i, l_i, acc):
     """Fold one block of log2-scaled, already-masked scores ``qk`` [M, N] and
@@ -303,6 +308,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     max_seq_len: int | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Single-token decode attention, flash-decoding style (split-K).
 
@@ -314,6 +320,7 @@ def decode_attention(
         max_seq_len: Python int >= max(seq_lens), used only to choose the
             number of KV splits; None means req_to_token.shape[1], which keeps
             the launch shape independent of the batch's lengths (CUDA graphs).
+        config: (BLOCK_N, num_warps, num_stages) of stage 1; None: _decode_config.
     Invariants:
         1 <= seq_lens[b] <= max_context, and the query's own K/V is already
         written at slot req_to_token[rows[b], seq_lens[b] - 1].
@@ -330,7 +337,7 @@ def decode_attention(
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    block_n = _decode_block_n(block_d * q.element_size())
+    block_n, num_warps, num_stages = config or _decode_config(batch * num_kv_heads, block_d * q.element_size())
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
     num_splits = max(1, min(
@@ -351,7 +358,7 @@ def decode_attention(
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_stage2_kernel[(batch, num_heads)](
         part_acc, part_lse, o, seq_lens,

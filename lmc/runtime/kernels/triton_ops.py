@@ -127,11 +127,14 @@ def _rope_heads(src_ptr, dst_ptr, c_lo, c_hi, s_lo, s_hi, heads, HALF: tl.conste
 
 @triton.jit
 def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, stride_qkv, stride_cs, HQ, HKV,
-                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr, WRITE_KV: tl.constexpr):
-    """One token: q rotated into q_ptr's row t; k rotated into k_ptr's row t, or with WRITE_KV into the KV
-    cache's slot slots[t] (k_ptr, v_ptr: one layer's [num_slots, HKV, D] buffers), v copied there too."""
+                    HQ_S, HKV_S, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                    WRITE_KV: tl.constexpr):
+    """Token t = program 0's index, heads split s = program 1's (HQ_S q heads and HKV_S kv heads from s on): q
+    rotated into q_ptr's row t; k rotated into k_ptr's row t, or with WRITE_KV into the KV cache's slot slots[t]
+    (k_ptr, v_ptr: one layer's [num_slots, HKV, D] buffers), v copied there too."""
     t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     dm = d < HALF
     cs = t * stride_cs
@@ -140,17 +143,27 @@ def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, s
     s_lo = tl.load(sin_ptr + cs + d, mask=dm, other=0.0).to(tl.float32)
     s_hi = tl.load(sin_ptr + cs + HALF + d, mask=dm, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
-    _rope_heads(row, q_ptr + t * HQ * D, c_lo, c_hi, s_lo, s_hi, HQ, HALF, D, BLOCK_HQ, BLOCK_HALF, BF16)
+    q_off = s * HQ_S * D
+    _rope_heads(row + q_off, q_ptr + t * HQ * D + q_off, c_lo, c_hi, s_lo, s_hi, HQ_S, HALF, D, BLOCK_HQ,
+                BLOCK_HALF, BF16)
+    kv_off = s * HKV_S * D
     if WRITE_KV:
-        dst = tl.load(slots_ptr + t).to(tl.int64) * HKV * D
-        _rope_heads(row + HQ * D, k_ptr + dst, c_lo, c_hi, s_lo, s_hi, HKV, HALF, D, BLOCK_HKV, BLOCK_HALF, BF16)
+        dst = tl.load(slots_ptr + t).to(tl.int64) * HKV * D + kv_off
+        _rope_heads(row + HQ * D + kv_off, k_ptr + dst, c_lo, c_hi, s_lo, s_hi, HKV_S, HALF, D, BLOCK_HKV,
+                    BLOCK_HALF, BF16)
         h = tl.arange(0, BLOCK_HKV)[:, None]
         e = tl.arange(0, BLOCK_D)[None, :]
-        vm = (h < HKV) & (e < D)
-        tl.store(v_ptr + dst + h * D + e, tl.load(row + (HQ + HKV) * D + h * D + e, mask=vm), mask=vm)
+        vm = (h < HKV_S) & (e < D)
+        tl.store(v_ptr + dst + h * D + e, tl.load(row + (HQ + HKV) * D + kv_off + h * D + e, mask=vm), mask=vm)
     else:
-        _rope_heads(row + HQ * D, k_ptr + t * HKV * D, c_lo, c_hi, s_lo, s_hi, HKV, HALF, D, BLOCK_HKV, BLOCK_HALF,
-                    BF16)
+        _rope_heads(row + HQ * D + kv_off, k_ptr + t * HKV * D + kv_off, c_lo, c_hi, s_lo, s_hi, HKV_S, HALF, D,
+                    BLOCK_HKV, BLOCK_HALF, BF16)
+
+
+# Up to this many tokens a launch splits each token's heads over programs (one kv head and its query group each):
+# a decode step's few tokens then spread over many SMs instead of one program per token running alone (llama-2-7b
+# at batch 1: 3.6 us a layer as one program). Longer extends keep one program per token, already plenty.
+_ROPE_SPLIT_MAX_TOKENS = 256
 
 
 def _check_rope(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim):
@@ -167,11 +180,14 @@ def _rope_launch(qkv, cos, sin, q, k, v, slots, num_q_heads, num_kv_heads, head_
     t = qkv.shape[0]
     if t:
         half = head_dim // 2
-        _rope_qk_kernel[(t,)](qkv, cos, sin, q, k, v, slots, qkv.stride(0), cos.stride(0), num_q_heads,
-                              num_kv_heads, D=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-                              BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-                              BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
-                              BF16=qkv.dtype == torch.bfloat16, WRITE_KV=write_kv, num_warps=4)
+        splits = num_kv_heads if t <= _ROPE_SPLIT_MAX_TOKENS and num_q_heads % num_kv_heads == 0 else 1
+        hq, hkv = num_q_heads // splits, num_kv_heads // splits
+        _rope_qk_kernel[(t, splits)](qkv, cos, sin, q, k, v, slots, qkv.stride(0), cos.stride(0), num_q_heads,
+                                     num_kv_heads, hq, hkv, D=head_dim, HALF=half,
+                                     BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+                                     BLOCK_HALF=triton.next_power_of_2(half),
+                                     BLOCK_D=triton.next_power_of_2(head_dim), BF16=qkv.dtype == torch.bfloat16,
+                                     WRITE_KV=write_kv, num_warps=4 if splits == 1 else 1)
 
 
 @torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)

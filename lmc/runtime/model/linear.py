@@ -14,8 +14,9 @@ Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
 
 # The batch size oneDNN's weight layout is chosen for: a decode batch. Measured on this build (2 cores, AVX-512):
 # the same blocked layout serves batches 1-1024 within noise of a layout packed for each.
@@ -56,7 +57,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return kernels.linear(x, self.weight, self.bias)  # F.linear, or a faster decode GEMM on the GPU
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

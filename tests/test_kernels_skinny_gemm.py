@@ -1,0 +1,88 @@
+"""The decode GEMM (lmc/runtime/kernels/skinny_gemm.py) against float64 products, and kernels.linear /
+kernels.silu_mul_linear's dispatch. Under Triton's interpreter on a machine without a GPU (fp32 and fp16: the
+interpreter's bf16 tl.dot is broken), compiled in bf16 at the models' shapes on a GPU."""
+from triton_device import kernel_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from lmc.runtime import kernels  # noqa: E402
+from lmc.runtime.kernels import reference  # noqa: E402
+from lmc.runtime.kernels import skinny_gemm as sg  # noqa: E402
+
+
+def rand(*shape, dtype, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dev, dtype)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("m,n,k,config", [(1, 48, 64, (16, 32, 4, 2)), (5, 70, 96, (32, 64, 4, 2)),
+                                          (17, 33, 128, (16, 64, 4, 3)), (64, 40, 300, (16, 128, 4, 2))])
+def test_skinny_gemm_matches_a_float64_product(dtype, tol, m, n, k, config):
+    """Partial N and K tiles (70, 33, 300), M past one 16-row tile (17, 64), and every output written."""
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    x, w = rand(m, k, dtype=dtype, dev=dev, seed=0), rand(n, k, dtype=dtype, dev=dev, seed=1)
+    y = sg.skinny_gemm(x, w, config)
+    assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
+    assert rel(y, x.double() @ w.double().T) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_skinny_gemm_with_silu_mul_reads_silu_gate_times_up(dtype, tol):
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    m, inter, n = 3, 160, 24
+    gu, w = rand(m, 2 * inter, dtype=dtype, dev=dev, seed=2), rand(n, inter, dtype=dtype, dev=dev, seed=3)
+    y = sg.skinny_gemm(gu, w, (16, 64, 4, 2), silu_mul=True)
+    want = reference.silu_mul(gu).double() @ w.double().T  # the reference's rounded SiLU-mul, then the product
+    assert rel(y, want) < tol
+
+
+def test_skinny_gemm_rejects_what_it_cannot_serve():
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    w = torch.zeros(8, 32, device=dev)
+    with pytest.raises(ValueError, match="unit stride"):
+        sg.skinny_gemm(torch.zeros(2, 16, device=dev), w, (16, 32, 4, 2))
+    with pytest.raises(ValueError, match="at most"):
+        sg.skinny_gemm(torch.zeros(sg.MAX_M + 1, 32, device=dev), w, (16, 32, 4, 2))
+
+
+def test_config_table_serves_only_decode_batches():
+    assert sg.config_for(1, 12288, 4096) is not None  # llama-2-7b qkv at batch 1
+    assert sg.config_for(sg.MAX_M + 1, 12288, 4096) is None and sg.config_for(0, 12288, 4096) is None
+    assert sg.config_for(1, 12345, 4096) is None  # an unmeasured shape stays on cuBLAS
+    assert sg.config_for(64, 4096, 11008, silu_mul=True) is not None
+
+
+def test_linear_falls_back_to_f_linear_off_the_gpu():
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
+@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("m", [1, 32, 64, 65])
+def test_linears_at_real_shapes_on_gpu(shape, m):
+    """kernels.linear and silu_mul_linear at the model's shapes in bf16 (the skinny kernel where the table says,
+    cuBLAS elsewhere and past MAX_M) stay within bf16 rounding of cuBLAS."""
+    from lmc.runtime.model.linear import Linear
+    from lmc.runtime.model.loader import DUMMY_SHAPES
+
+    c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
+    d, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = d // c["num_attention_heads"]
+    for n, k in [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, d), (2 * inter, d), (vocab, d)]:
+        x, w = rand(m, k, dtype=dt, dev=dev, seed=4) * 0.1, rand(n, k, dtype=dt, dev=dev, seed=5) * 0.1
+        assert rel(kernels.linear(x, w), F.linear(x, w)) < 1e-2
+    down = Linear(inter, d).to(dev, dt)
+    down.weight.data = rand(d, inter, dtype=dt, dev=dev, seed=6) * 0.1
+    gu = rand(m, 2 * inter, dtype=dt, dev=dev, seed=7)
+    assert rel(kernels.silu_mul_linear(gu, down), F.linear(reference.silu_mul(gu), down.weight)) < 1e-2
