@@ -52,7 +52,7 @@ def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, BF16: tl.constexpr):
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BF16: tl.constexpr):
+                        SILU_MUL: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,7 +71,10 @@ def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             k_mask = (k + offs_k) < K
             x = _load_x(x_ptrs, m_mask[:, None] & k_mask[None, :], K, SILU_MUL, BF16)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        if IEEE:  # fp32 operands: full precision, as F.linear in fp32 (Triton's default would be tf32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -100,11 +103,13 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (32, 128256, 4096): (64, 128, 4, 3),  # 251 / 264
     (64, 128256, 4096): (64, 128, 4, 3),  # 264 / 285
 }
-# The down projection with SiLU-mul fused (no cuBLAS equivalent: the alternative is cuBLAS plus a SiLU-mul launch);
-# the sweep's best tile for that shape.
+# The down projection with SiLU-mul fused (no cuBLAS equivalent: the alternative is cuBLAS plus a SiLU-mul launch):
+# the sweep's best tile for the plain down shape whose pipeline still fits in shared memory with the second (up)
+# input tile per stage (the batch-1 best, 5 stages of 32x512, needs 256 KiB with it; 3 stages 128 KiB, within
+# 0.9 us of it).
 SILU_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (16, 4096, 11008): (32, 512, 4, 5), (32, 4096, 11008): (32, 512, 4, 3), (64, 4096, 11008): (32, 128, 4, 5),
-    (16, 4096, 14336): (32, 512, 4, 5), (32, 4096, 14336): (32, 512, 4, 3), (64, 4096, 14336): (32, 128, 4, 5),
+    (16, 4096, 11008): (32, 512, 4, 3), (32, 4096, 11008): (32, 512, 4, 3), (64, 4096, 11008): (32, 128, 4, 5),
+    (16, 4096, 14336): (32, 512, 4, 3), (32, 4096, 14336): (32, 512, 4, 3), (64, 4096, 14336): (32, 128, 4, 5),
 }
 
 
@@ -135,5 +140,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         _skinny_gemm_kernel[grid](x2, w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m,
                                   BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-                                  BF16=x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+                                  BF16=x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32, num_warps=warps,
+                                  num_stages=stages)
     return y.view(*x.shape[:-1], n)
