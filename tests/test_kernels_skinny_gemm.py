@@ -1,5 +1,5 @@
-"""The decode GEMM (lmc/runtime/kernels/skinny_gemm.py) against float64 products, and kernels.linear /
-kernels.silu_mul_linear's dispatch. Under Triton's interpreter on a machine without a GPU (fp32 and fp16: the
+"""The decode GEMM (lmc/runtime/kernels/skinny_gemm.py) against float64 products, and kernels.linear's
+dispatch. Under Triton's interpreter on a machine without a GPU (fp32 and fp16: the
 interpreter's bf16 tl.dot is broken), compiled in bf16 at the models' shapes on a GPU."""
 from triton_device import kernel_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
 
@@ -10,7 +10,6 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from lmc.runtime import kernels  # noqa: E402
-from lmc.runtime.kernels import reference  # noqa: E402
 from lmc.runtime.kernels import skinny_gemm as sg  # noqa: E402
 
 
@@ -35,16 +34,6 @@ def test_skinny_gemm_matches_a_float64_product(dtype, tol, m, n, k, config):
     assert rel(y, x.double() @ w.double().T) < tol
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_skinny_gemm_with_silu_mul_reads_silu_gate_times_up(dtype, tol):
-    dev = kernel_device(sg._skinny_gemm_kernel)
-    m, inter, n = 3, 160, 24
-    gu, w = rand(m, 2 * inter, dtype=dtype, dev=dev, seed=2), rand(n, inter, dtype=dtype, dev=dev, seed=3)
-    y = sg.skinny_gemm(gu, w, (16, 64, 4, 2), silu_mul=True)
-    want = reference.silu_mul(gu).double() @ w.double().T  # the reference's rounded SiLU-mul, then the product
-    assert rel(y, want) < tol
-
-
 def test_skinny_gemm_rejects_what_it_cannot_serve():
     dev = kernel_device(sg._skinny_gemm_kernel)
     w = torch.zeros(8, 32, device=dev)
@@ -58,7 +47,6 @@ def test_config_table_serves_only_decode_batches():
     assert sg.config_for(1, 12288, 4096) is not None  # llama-2-7b qkv at batch 1
     assert sg.config_for(sg.MAX_M + 1, 12288, 4096) is None and sg.config_for(0, 12288, 4096) is None
     assert sg.config_for(1, 12345, 4096) is None  # an unmeasured shape stays on cuBLAS
-    assert sg.config_for(64, 4096, 11008, silu_mul=True) is not None
 
 
 def test_linear_falls_back_to_f_linear_off_the_gpu():
@@ -71,18 +59,14 @@ def test_linear_falls_back_to_f_linear_off_the_gpu():
 @pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b"])
 @pytest.mark.parametrize("m", [1, 32, 64, 65])
 def test_linears_at_real_shapes_on_gpu(shape, m):
-    """kernels.linear and silu_mul_linear at the model's shapes in bf16 (the skinny kernel where the table says,
-    cuBLAS elsewhere and past MAX_M) stay within bf16 rounding of cuBLAS."""
-    from lmc.runtime.model.linear import Linear
+    """kernels.linear at the model's shapes in bf16 (the skinny kernel where the table says, cuBLAS elsewhere and
+    past MAX_M) stays within bf16 rounding of cuBLAS."""
     from lmc.runtime.model.loader import DUMMY_SHAPES
 
     c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
     d, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = d // c["num_attention_heads"]
-    for n, k in [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, d), (2 * inter, d), (vocab, d)]:
+    for n, k in [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, d), (2 * inter, d), (d, inter),
+                 (vocab, d)]:
         x, w = rand(m, k, dtype=dt, dev=dev, seed=4) * 0.1, rand(n, k, dtype=dt, dev=dev, seed=5) * 0.1
         assert rel(kernels.linear(x, w), F.linear(x, w)) < 1e-2
-    down = Linear(inter, d).to(dev, dt)
-    down.weight.data = rand(d, inter, dtype=dt, dev=dev, seed=6) * 0.1
-    gu = rand(m, 2 * inter, dtype=dt, dev=dev, seed=7)
-    assert rel(kernels.silu_mul_linear(gu, down), F.linear(reference.silu_mul(gu), down.weight)) < 1e-2

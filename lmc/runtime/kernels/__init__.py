@@ -1,7 +1,7 @@
 """Fused elementwise kernels of the decoder layer: RMSNorm with the residual add, SiLU-mul, rotary embedding of q
 and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
-pass, rope_q_write_kv); and the decode-sized linears (`linear`, `silu_mul_linear`: a Triton skinny GEMM for the
-shapes where it measured faster than cuBLAS, skinny_gemm.py).
+pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny GEMM for the shapes where it measured
+faster than cuBLAS, skinny_gemm.py).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors and the torch
 reference (reference.py) otherwise, so the CPU forward's numerics, and torch.compile's view of it, are the plain
@@ -35,19 +35,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if cfg is not None:
             return skinny_gemm.skinny_gemm(x, weight, cfg)
     return F.linear(x, weight, bias)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, down) -> torch.Tensor:
-    """down(silu_mul(gate_up)) for the MLP's down projection `down` (a model.linear.Linear); on CUDA for a decode
-    batch, one skinny GEMM that computes the SiLU-mul while it reads its input (no [T, I] intermediate)."""
-    weight = getattr(down, "weight", None)
-    if _fused(gate_up) and weight is not None and down.bias is None:
-        from . import skinny_gemm
-
-        cfg = skinny_gemm.config_for(gate_up.numel() // gate_up.shape[-1], weight.shape[0], weight.shape[1], True)
-        if cfg is not None:
-            return skinny_gemm.skinny_gemm(gate_up, weight, cfg, silu_mul=True)
-    return down(silu_mul(gate_up))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

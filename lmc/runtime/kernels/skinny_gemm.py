@@ -7,9 +7,6 @@ M = 1 on the H200 leaves some shapes far from it (llama-2-7b's fused QKV, N = 12
 [BLOCK_M, BLOCK_N] tile over all of K, with BLOCK_N small enough that every shape spreads over more programs
 than SMs, and Triton's software pipeline keeps `num_stages` weight tiles in flight per program.
 
-With `silu_mul=True` the input is the gate-up projection's [M, 2K] output and the GEMM reads silu(gate) * up
-on the fly (rounded where reference.silu_mul rounds), so the MLP's down projection needs no SiLU-mul launch.
-
 Invariants: x and W have unit stride in K; y is a fresh contiguous [M, N] in x's dtype; accumulation in fp32 (the
 rounding differs from cuBLAS's by the summation order only). M is at most MAX_M; larger batches are not skinny
 and stay on cuBLAS (kernels.linear decides, from CONFIGS: only the shapes where this kernel measured faster).
@@ -24,35 +21,9 @@ MAX_M = 64
 
 
 @triton.jit
-def _round(x, ty: tl.constexpr, BF16: tl.constexpr):
-    """fp32 -> the activation dtype, round to nearest even in integer arithmetic for bf16 (see triton_ops._round:
-    the interpreter's cast truncates)."""
-    if BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True).to(ty)
-    else:
-        y = x.to(ty)
-    return y
-
-
-@triton.jit
-def _load_x(x_ptrs, mask, K, SILU_MUL: tl.constexpr, BF16: tl.constexpr):
-    if SILU_MUL:  # x_ptrs point at the gate half; the up half is K columns on
-        g = tl.load(x_ptrs, mask=mask, other=0.0)
-        u = tl.load(x_ptrs + K, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        s = _round(gf / (1.0 + tl.exp(-gf)), g.dtype, BF16)  # F.silu rounds here
-        x = _round(s.to(tl.float32) * u.to(tl.float32), g.dtype, BF16)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
 def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        SILU_MUL: tl.constexpr, BF16: tl.constexpr, IEEE: tl.constexpr):
+                        IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,11 +36,11 @@ def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = _load_x(x_ptrs, m_mask[:, None], K, SILU_MUL, BF16)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (k + offs_k) < K
-            x = _load_x(x_ptrs, m_mask[:, None] & k_mask[None, :], K, SILU_MUL, BF16)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if IEEE:  # fp32 operands: full precision, as F.linear in fp32 (Triton's default would be tf32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -103,33 +74,22 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (32, 128256, 4096): (64, 128, 4, 3),  # 251 / 264
     (64, 128256, 4096): (64, 128, 4, 3),  # 264 / 285
 }
-# The down projection with SiLU-mul fused (no cuBLAS equivalent: the alternative is cuBLAS plus a SiLU-mul launch):
-# the sweep's best tile for the plain down shape whose pipeline still fits in shared memory with the second (up)
-# input tile per stage (the batch-1 best, 5 stages of 32x512, needs 256 KiB with it; 3 stages 128 KiB, within
-# 0.9 us of it).
-SILU_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (16, 4096, 11008): (32, 512, 4, 3), (32, 4096, 11008): (32, 512, 4, 3), (64, 4096, 11008): (32, 128, 4, 5),
-    (16, 4096, 14336): (32, 512, 4, 3), (32, 4096, 14336): (32, 512, 4, 3), (64, 4096, 14336): (32, 128, 4, 5),
-}
-
-
-def config_for(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int, int] | None:
+def config_for(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     """The measured tile for an [m, k] x [k, n] product, or None where cuBLAS is the faster choice (or m > MAX_M)."""
     if m > MAX_M or m < 1:
         return None
-    return (SILU_CONFIGS if silu_mul else CONFIGS).get((_block_m(m), n, k))
+    return CONFIGS.get((_block_m(m), n, k))
 
 
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int],
-                silu_mul: bool = False) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M; with silu_mul, x is [..., 2K]
-    (gate | up) and the product is silu(gate) * up @ w^T. config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     k = w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     m, n = x2.shape[0], w.shape[0]
-    if x2.shape[1] != (2 * k if silu_mul else k) or x2.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError(f"skinny_gemm needs x [M, {2 * k if silu_mul else k}] and w [N, K] with unit stride in K, "
+    if x2.shape[1] != k or x2.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"skinny_gemm needs x [M, {k}] and w [N, K] with unit stride in K, "
                          f"got {tuple(x.shape)} and {tuple(w.shape)}")
     if m > MAX_M:
         raise ValueError(f"skinny_gemm serves at most {MAX_M} rows, got {m}")
@@ -139,7 +99,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
         block_m = _block_m(m)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         _skinny_gemm_kernel[grid](x2, w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m,
-                                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-                                  BF16=x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32, num_warps=warps,
-                                  num_stages=stages)
+                                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                                  IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], n)
