@@ -71,7 +71,8 @@ def lmc_logits(eng, seqs, lens, steps, dev):
         runner.token_buf[rows] = torch.tensor([s[k] for s, k in zip(seqs, kv)], device=dev)
         out.append(runner.launch(decode_batch(reqs, kv, alloc.alloc(n), [])).forward.result()[0])
         kv = [k + 1 for k in kv]
-    eng.scheduler.reset()
+    with torch.inference_mode(False):  # the rebuilt host tables are written later by the scheduler thread, which
+        eng.scheduler.reset()  # runs outside inference mode: inference tensors there would fail its first step
     return out
 
 
