@@ -162,13 +162,15 @@ class Continuation:
         """r's step ended with `reason` and output `text`. Record its segment; if another step follows and can
         run, set r up for it and return True (r goes on); else False (r finishes now)."""
         chain, s = r.chain, self.s
+        if reason.get("type") not in ("stop", "length"):
+            return False  # aborted or failed: the call did not finish (its partial output is the request's result)
         if chain.at < 0:  # the prompt's prefill before a first select: no step of the caller's
             seg = {"text": ""}
         else:
             seg, chain.scored = chain.scored or self.segment(r, reason, text), None
             chain.segments.append(seg)
         nxt_at = chain.at + 1
-        if reason.get("type") not in ("stop", "length") or "error" in seg or nxt_at >= len(chain.steps):
+        if "error" in seg or nxt_at >= len(chain.steps):
             return False
         step = chain.steps[nxt_at]
         new_text = chain.text + seg["text"] + step.text
