@@ -286,23 +286,30 @@ def test_program_field_on_generate_and_openai_routes(counted):
 
 @pytest.mark.parametrize("via", ["local", "server"])
 def test_hints_reach_the_engine_requests(engine, counted, via):
-    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph)."""
+    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph).
+    The static chain is one engine request (continuation): its hints move on with each call."""
     seen = []
     sched = engine.scheduler
-    add = sched.add
+    add, advance = sched.add, sched._continuation.advance
     srv, app, ep = counted
 
     def recording_add(req):  # the scheduler thread calls it for each request it receives
         seen.append(req.program)
         return add(req)
 
-    sched.add = recording_add
+    def recording_advance(req, reason, text):  # ... and this as a chain request goes on to its next call
+        went_on = advance(req, reason, text)
+        if went_on:
+            seen.append(req.program)
+        return went_on
+
+    sched.add, sched._continuation.advance = recording_add, recording_advance
     app.bodies.clear()
     try:
         chain.compile().run(topic="glass", backend=lmc.Local(engine=engine) if via == "local" else ep,
                             temperature=0)
     finally:
-        del sched.add
+        del sched.add, sched._continuation.advance
     if via == "server":
         assert [p for p, _ in app.bodies] == ["/v1/programs"] and app.bodies[0][1]["hints"]
     hinted = [h for h in seen if h is not None]

@@ -6,7 +6,8 @@ from call to call (lmc.runtime.continuation): no return here between the calls, 
 The texts between the calls are rendered ahead on a scratch copy of the stream (the same `_extend` the executor
 runs: constant text, arguments, variables set before the run, role markers), each gen's parameters are what the
 stream would give its call (`Stream.call_params`), and each select goes with its choice method and, where the
-plan lowered it, its choices' token ids. As the engine streams each call's result, the run's operations are
+plan lowered it, its choices' token ids; each call carries its own program hints (the request's `Req.program`
+moves on with it). As the engine streams each call's result, the run's operations are
 replayed on the real stream in order (`_extend`, `put_gen`, `put_choice`, set, scope), so the stream ends exactly
 as the executor's call-by-call run leaves it. Where the engine stops early (`stopped_at`: a prompt past the
 context), the rest runs call by call.
@@ -14,6 +15,7 @@ context), the rest runs call by call.
 from __future__ import annotations
 
 from ..protocol import ChoicesDecision, capabilities
+from ..protocol.hints import instance_id
 from ..frontend.state import Stream
 from .executor import _extend, _hints, _method
 from .lower import Extend, Generate, Op, Plan, Scope, Score, SetVar
@@ -27,6 +29,7 @@ def _reads(op: Extend) -> set[str]:
 
 def build(plan: Plan, ops: list[Op], start: int, stream: Stream, args: dict) -> tuple[list[dict], list[Op]]:
     """The engine steps of the chain at ops[start:] and the operations it covers (ending with its last call)."""
+    instance_id(stream)  # (made here first, so that the scratch copy's calls carry the stream's own)
     shadow = stream.child()  # scratch: renders the texts between the calls; its history is never written
     text, steps, covered, produced, end = stream.text, [], [], set(), 0
     for op in ops[start:]:
@@ -43,7 +46,7 @@ def build(plan: Plan, ops: list[Op], start: int, stream: Stream, args: dict) -> 
             params = shadow.call_params(op.gen_params())
             if (params.n or 1) != 1:
                 break
-            steps.append({"text": text, "gen": params.engine_params()})
+            steps.append({"text": text, "gen": params.engine_params(), "program": _hints(plan, op, shadow)})
         elif isinstance(op, Score):
             try:
                 method = _method(plan, op)
@@ -52,7 +55,8 @@ def build(plan: Plan, ops: list[Op], start: int, stream: Stream, args: dict) -> 
             if method.requires_unconditional_logprobs:
                 break
             ids = op.token_ids if capabilities(stream.backend).token_id_selects else None
-            steps.append({"text": text, "choices": list(op.choices), "token_ids": ids, "method": method})
+            steps.append({"text": text, "choices": list(op.choices), "token_ids": ids, "method": method,
+                          "program": _hints(plan, op, shadow)})
         elif isinstance(op, SetVar):
             shadow.vars[op.name] = op.value
         elif isinstance(op, Scope):
@@ -78,7 +82,7 @@ async def run_chain(plan: Plan, ops: list[Op], start: int, stream: Stream, args:
     if not steps:
         return 0
     calls = [op for op in covered if isinstance(op, (Generate, Score))]
-    stream.hints = _hints(plan, calls[0], stream)
+    stream.hints = steps[0]["program"]
     done, final = 0, None  # operations replayed; the engine's final result
     async for item in stream.backend.chain(steps):
         if "index" not in item:

@@ -48,6 +48,7 @@ class ChainStep:
     choices: list[str] | None = None
     token_ids: list[int] | None = None
     method: Any = None
+    program: Any = None  # the call's program hints (lmc.protocol.ProgramHints or its dict): Req.program during it
     grammar: Any = None  # the gen's GrammarMatcher, compiled when the chain is made (never on the scheduler thread)
 
 
@@ -76,15 +77,16 @@ def single_tokens(tokenizer, text: str, ids: list[int], step: ChainStep) -> bool
     return step.token_ids is not None and all(tokenizer.encode(text + c) == ids + [t] for c, t in zip(step.choices, step.token_ids))
 
 
-def make_chain(steps, vocab_size: int, limits: dict, grammars) -> Chain:
-    """Validate the steps (RequestError naming the step and its field) and compile their grammars."""
+def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
+    """Validate the steps (RequestError naming the step and its field) and compile their grammars. `hints`:
+    a step's program hints as ProgramHints (RequestError when malformed)."""
     if not isinstance(steps, (list, tuple)) or not steps:
         raise RequestError("a chain is a non-empty list of steps (ChainStep, or dicts of its fields)")
     out = []
     for i, st in enumerate(steps):
         where = f"chain step {i}"
         if isinstance(st, dict):
-            unknown = sorted(set(st) - {"text", "gen", "choices", "token_ids", "method"})
+            unknown = sorted(set(st) - {"text", "gen", "choices", "token_ids", "method", "program"})
             if unknown or "text" not in st:
                 raise RequestError(f"{where}: a step has a text and a gen, or choices, token_ids and a method "
                                    f"(unknown field(s): {unknown})")
@@ -93,6 +95,10 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars) -> Chain:
             raise RequestError(f"{where}: must be a ChainStep (or a dict of its fields), got {type(st).__name__}")
         if not isinstance(st.text, str):
             raise RequestError(f"{where}: text must be a string, got {type(st.text).__name__}")
+        try:
+            program = hints(st.program)
+        except RequestError as e:
+            raise RequestError(f"{where}: program: {e}") from None
         if (st.gen is None) == (st.choices is None):
             raise RequestError(f"{where}: set exactly one of gen (a gen's sampling parameters) or choices (a select)")
         if st.gen is not None:
@@ -101,7 +107,7 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars) -> Chain:
                           else SamplingParams.from_dict(st.gen, **limits))
             except RequestError as e:
                 raise RequestError(f"{where}: {e}") from None
-            out.append(ChainStep(st.text, gen=params, grammar=grammars.matcher(params)))
+            out.append(ChainStep(st.text, gen=params, program=program, grammar=grammars.matcher(params)))
             continue
         if (not isinstance(st.choices, list) or not st.choices
                 or not all(isinstance(c, str) and c for c in st.choices)):
@@ -113,7 +119,8 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars) -> Chain:
         if not callable(st.method) or getattr(st.method, "requires_unconditional_logprobs", False):
             raise RequestError(f"{where}: method must be a choice method that scores from the prompt's logprobs "
                                "alone (token_length_normalized or greedy_token_selection)")
-        out.append(ChainStep(st.text, choices=list(st.choices), token_ids=ids and list(ids), method=st.method))
+        out.append(ChainStep(st.text, choices=list(st.choices), token_ids=ids and list(ids), method=st.method,
+                             program=program))
     if not out[0].text:
         raise RequestError("chain step 0: its text is the prompt and must not be empty")
     return Chain(out, out[0].text)
@@ -182,6 +189,7 @@ class Continuation:
         if step.choices is not None and not single_tokens(s.tokenizer, new_text, ids, step):
             return self._score_by_children(r, new_text, ids, step, nxt_at, limit)
         chain.text, chain.at = new_text, nxt_at
+        r.program = step.program if step.program is not None else r.program
         params = select_params(ids, step) if step.choices is not None else step.gen
         keep = _common_prefix(r.fill_ids[:r.kv_done], ids)
         keep = min(keep, len(ids) - 1)  # the last token is always computed: its logits are the next call's
@@ -216,6 +224,7 @@ class Continuation:
             chain.stopped_at = at
             return False
         chain.text, chain.at = text, at
+        r.program = step.program if step.program is not None else r.program
         if r in s.running:
             s.running.remove(r)
         if r.row >= 0:

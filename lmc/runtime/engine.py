@@ -182,8 +182,8 @@ class Engine:
         return fut
 
     def submit_chain(self, steps: Sequence[ChainStep], program=None, on_segment=None) -> RequestFuture:
-        """Run a chain of calls (gens and single-token selects, each after its constant text) as one request that
-        keeps its KV from one call to the next (runtime/continuation.py). `on_segment(segment)`: called, on the
+        """Run a chain of calls (gens and selects, each after its constant text) as one request that keeps its KV
+        from one call to the next (runtime/continuation.py). `program`: the hints of steps that carry none. `on_segment(segment)`: called, on the
         scheduler thread, with each step's result as it finishes. The future's result is the last call's, with
         every step's `segments` and `stopped_at` (the first step not run, or None). A malformed chain fails the
         future with RequestError naming the step."""
@@ -193,9 +193,10 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError(f"model {self.model_name!r} has no tokenizer: a chain is text")
             chain = continuation.make_chain(steps, self.vocab_size, dict(vocab_size=self.vocab_size,
-                                            max_top_logprobs=self.max_top_logprobs), self.grammars)
+                                            max_top_logprobs=self.max_top_logprobs), self.grammars, _program_hints)
             first = chain.steps[0]
-            req = self.make_request(first.text, first.gen or {"max_new_tokens": 1}, program=program)
+            req = self.make_request(first.text, first.gen or {"max_new_tokens": 1},
+                                    program=first.program if first.program is not None else program)
             continuation.start(req, self.tokenizer, chain)
         except RequestError as e:
             fut.set_exception(e)
