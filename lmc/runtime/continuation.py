@@ -158,7 +158,7 @@ class Continuation:
 
             prompt = r.input_logprobs
             nxt = r.output_token_ids_logprobs[0] if r.output_token_ids_logprobs else None
-            if nxt is None or reason.get("type") == "abort":
+            if nxt is None:  # (a select's forward always samples its one token)
                 seg.update(kind="select", text="", error=reason.get("message", "the select was not scored"))
                 return seg
             d = decide(step.method, step.choices, [prompt + [lp] for lp in nxt])
@@ -214,7 +214,6 @@ class Continuation:
         else:
             s.waiting.insert(0, r)
         return True
-
 
     def _score_by_children(self, r: Req, text: str, ids: list[int], step: ChainStep, at: int, limit: int) -> bool:
         """Queue one child request per choice of the select `step` (module docstring) and park r."""

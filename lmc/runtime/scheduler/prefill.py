@@ -12,6 +12,10 @@ In-batch prefix dedup (cache-aware policies): a request whose prefix another req
 compute waits a step, then hits the cache. A batch of short jump-forward extends carries the running requests'
 decode step too (mixing), so a jump costs no extra forward.
 
+A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
+admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
+requests' decode step like jump-forward extends.
+
 A request whose last chunk is scheduled joins `running` at once, before its forward has run: with overlap the
 next decode step is scheduled while this prefill is still in flight, and reads its first token on the device.
 """

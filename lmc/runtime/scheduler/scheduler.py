@@ -16,6 +16,10 @@ is dropped (`Req.epoch`). Without overlap each step launches, samples and proces
 Either way the outputs are the same: greedy decoding is a function of the tokens, which do not depend on when the
 host learns them.
 
+Chains (continuation.py): a chain request whose call ends goes on to its next call instead of finishing
+(`finish`): it waits in `continuing`, resident with its KV, until its next prefill chunk is scheduled (before the
+queue, without admission or match), or in `parked` while the child requests scoring its select's choices run.
+
 Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
 for are singled out; those alone finish with an error (`Req.error`), the rest of the batch is processed as usual.
 A failed forward leaves the pools and the tree consistent: only KV of completed forwards enters the tree (cache.py),
