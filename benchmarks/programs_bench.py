@@ -1,13 +1,17 @@
 """Latency of one program instance through `lmc serve`: the compiled program over POST /v1/programs (one request
-per segment) against the interpreted program over RuntimeEndpoint (one or more requests per gen/select).
+per segment; the server runs each run of calls between host breaks as one engine request, engine-side
+continuation) against the interpreted program over RuntimeEndpoint (one request per gen and select), and, as the
+ablation, the compiled program on a second server started with --disable-continuation (one engine request per
+call, next to the engine).
 
-    flock /tmp/lmc-bench.lock python benchmarks/programs_bench.py [--reps 3] [--out benchmarks/results/programs_latency.json]
+    flock /tmp/lmc-bench.lock python benchmarks/programs_bench.py [--reps 5] [--out benchmarks/results/programs_latency.json]
 
-Programs: a chain of 6 short gens and selects (static), and the examples tree_of_thought, judge and react_agent
-(each with graph breaks: host code between segments). One instance at a time, temperature 0; the two ways
-alternate within each repetition, after one warm-up run of each (the server's prefix cache is warm for both:
-each run repeats the same prompts, as a deployed program's instances share their constant prefixes). Also
-recorded: the HTTP requests one instance makes each way, and whether the two ways give the same variables.
+Programs: a chain of 6 short gens and selects (static: no graph break), and the examples tree_of_thought, judge
+and react_agent (with graph breaks: host code between segments). One instance at a time, temperature 0; the ways
+alternate within each repetition (their order rotating), after one warm-up run of each (the servers' prefix
+caches are warm for every way: each run repeats the same prompts, as a deployed program's instances share their
+constant prefixes). Also recorded: the HTTP requests one instance makes each way (a static instance must make
+exactly one), and whether every way gives the same variables.
 Targets (issue 14): compiled/interpreted <= 0.6 on the chain, <= 0.8 on the others.
 """
 from __future__ import annotations
@@ -23,22 +27,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chain program and the request counter live there
 sys.path.insert(0, HERE)
 
-import lmc  # noqa: E402
-from lmc.backend.endpoint import RuntimeEndpoint, _httpx  # noqa: E402
-from record import SHARED_MACHINE_NOTE, finish, provenance, spread  # noqa: E402
+from lmc.backend.endpoint import _httpx  # noqa: E402
+from programs_support import CountedEndpoint, chain  # noqa: E402
+from record import SHARED_MACHINE_NOTE, exact, finish, provenance, spread  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-
-
-@lmc.function
-def chain(s, topic):
-    """6 short calls in a row: gen, select, gen, select, gen, select."""
-    s += "Topic: " + topic + "\n"
-    for i in range(3):
-        s += f"Fact {i + 1}:" + lmc.gen(f"fact{i}", max_tokens=6, stop="\n") + "\n"
-        s += "Is it true? " + lmc.select(f"true{i}", choices=["yes", "no"]) + "\n"
 
 
 def workloads():
@@ -61,10 +57,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.path.join(HERE, "..")}
     proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", MODEL, "--port", str(port),
-                             "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL)
+                             "--log-level", "warning", *flags], env=env, stdout=subprocess.DEVNULL)
     httpx = _httpx()
 
     deadline = time.time() + 600
@@ -79,21 +75,6 @@ def start_server(port: int) -> subprocess.Popen:
         time.sleep(1)
     proc.kill()
     raise TimeoutError("lmc serve did not come up")
-
-
-class CountedEndpoint(RuntimeEndpoint):
-    """RuntimeEndpoint counting the HTTP requests it sends (the benchmark's instrument)."""
-
-    requests = 0
-
-    def _client(self):
-        c = super()._client()
-        if not getattr(c, "_counted", False):
-            async def count(request):
-                type(self).requests += 1
-            c.event_hooks = {"request": [count], "response": []}
-            c._counted = True
-        return c
 
 
 def _jsonable(v):
@@ -112,48 +93,63 @@ def one(prog, args, ep, compiled) -> tuple[float, int, dict]:
     return dt, CountedEndpoint.requests - before, {k: _jsonable(v) for k, v in state.variables().items()}
 
 
+WAYS = ("interpreted", "compiled", "compiled_no_continuation")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "programs_latency.json"))
     ap.add_argument("--only", nargs="*", default=None)
     a = ap.parse_args()
     prov = provenance("benchmarks/programs_bench.py", SHARED_MACHINE_NOTE)
-    port = _free_port()
-    proc = start_server(port)
+    ports = _free_port(), _free_port()
+    procs = [start_server(ports[0]), start_server(ports[1], "--disable-continuation")]
     results = {}
     try:
-        ep = CountedEndpoint(f"http://127.0.0.1:{port}")
+        on, off = (CountedEndpoint(f"http://127.0.0.1:{p}") for p in ports)
         for name, (prog, args) in workloads().items():
             if a.only and name not in a.only:
                 continue
             compiled = prog.compile()
-            one(prog, args, ep, None)  # warm-up of both ways: prefix cache, traces, connections
-            one(prog, args, ep, compiled)
-            times = {"interpreted": [], "compiled": []}
-            reqs = {"interpreted": [], "compiled": []}
-            outs = {}
-            for _ in range(a.reps):
-                for way, c in (("interpreted", None), ("compiled", compiled)):
-                    dt, n, out = one(prog, args, ep, c)
+            runs = {"interpreted": (on, None), "compiled": (on, compiled), "compiled_no_continuation": (off, compiled)}
+            for ep, c in runs.values():  # warm-up of every way: prefix cache, traces, connections
+                one(prog, args, ep, c)
+            times = {w: [] for w in WAYS}
+            reqs = {w: [] for w in WAYS}
+            outs = {w: [] for w in WAYS}
+            for rep in range(a.reps):
+                for way in WAYS[rep % 3:] + WAYS[:rep % 3]:  # alternating, in a rotating order
+                    dt, n, out = one(prog, args, *runs[way])
                     times[way].append(dt)
                     reqs[way].append(n)
-                    outs[way] = out
-            ratios = [c / i for c, i in zip(times["compiled"], times["interpreted"])]
-            results[name] = {"interpreted_s": spread(times["interpreted"]), "compiled_s": spread(times["compiled"]),
-                             "ratio": spread(ratios), "target_ratio": TARGETS[name],
-                             "requests_interpreted": spread(reqs["interpreted"]),
-                             "requests_compiled": spread(reqs["compiled"]),
-                             "same_variables": outs["interpreted"] == outs["compiled"]}
-            print(name, json.dumps(results[name]["ratio"]), "requests", reqs, "same:",
-                  results[name]["same_variables"], flush=True)
-        ep.shutdown()
+                    outs[way].append(out)
+            ratio = [c / i for c, i in zip(times["compiled"], times["interpreted"])]
+            ablation = [c / i for c, i in zip(times["compiled"], times["compiled_no_continuation"])]
+            results[name] = {
+                "interpreted_s": spread(times["interpreted"]), "compiled_s": spread(times["compiled"]),
+                "compiled_no_continuation_s": spread(times["compiled_no_continuation"]),
+                "ratio": spread(ratio), "target_ratio": TARGETS[name],
+                "continuation_ratio": spread(ablation),
+                "requests_interpreted": exact(reqs["interpreted"]), "requests_compiled": exact(reqs["compiled"]),
+                "requests_compiled_no_continuation": exact(reqs["compiled_no_continuation"]),
+                "same_variables": all(o == outs["interpreted"][0] for w in WAYS for o in outs[w])}
+            if name == "chain6":  # the static instance: exactly one HTTP request, every run
+                results[name]["static_one_request"] = all(n == 1 for n in reqs["compiled"])
+            print(name, "ratio", json.dumps(results[name]["ratio"]), "continuation", json.dumps(
+                results[name]["continuation_ratio"]), "requests", reqs, "same:", results[name]["same_variables"],
+                flush=True)
+        on.shutdown()
+        off.shutdown()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
     out = {"provenance": finish(prov), "model": MODEL, "reps": a.reps, "workloads": results,
            "note": "ratio = compiled over /v1/programs / interpreted over RuntimeEndpoint, per repetition; "
-                   "one instance at a time, temperature 0; lmc serve on this machine's CPU"}
+                   "continuation_ratio = compiled / compiled on a server with --disable-continuation; one instance "
+                   "at a time, temperature 0; lmc serve on this machine's CPU"}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)

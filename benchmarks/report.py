@@ -547,20 +547,30 @@ def render_cpu_speed(r: dict, _dir: Path) -> str:
 
 @section("programs_latency.json")
 def render_programs_latency(r: dict, _dir: Path) -> str:
-    """programs_bench.py: one instance's latency, compiled over /v1/programs vs interpreted over RuntimeEndpoint."""
-    rows = [[name, fig(w["interpreted_s"], 3, " s"), fig(w["compiled_s"], 3, " s"), fig(w["ratio"], 2),
-             f"<= {w['target_ratio']}", count(w["requests_interpreted"]), count(w["requests_compiled"]),
+    """programs_bench.py: one instance's latency, compiled over /v1/programs vs interpreted over RuntimeEndpoint,
+    and the compiled program with engine-side continuation off (the ablation)."""
+    rows = [[name, fig(w["interpreted_s"], 3, " s"), fig(w["compiled_s"], 3, " s"),
+             fig(w["compiled_no_continuation_s"], 3, " s"), fig(w["ratio"], 2), f"<= {w['target_ratio']}",
+             fig(w["continuation_ratio"], 2), count(w["requests_interpreted"]), count(w["requests_compiled"]),
              "yes" if w["same_variables"] else "no"] for name, w in r["workloads"].items()]
+    static = r["workloads"].get("chain6", {}).get("static_one_request")
     return "\n".join([
         "## Whole programs on the server: POST /v1/programs, one instance at a time\n",
         f"{r['model']} behind `lmc serve` (a separate process, CPU). The compiled program sends each segment (the "
-        "plan between graph breaks) as data in one request and the server runs it next to the engine; the "
-        "interpreted program makes its gens and selects one HTTP request at a time over RuntimeEndpoint. "
-        f"Temperature 0, both ways alternating within each of {r['reps']} repetitions after a warm-up run of "
-        "each; ratio = compiled / interpreted per repetition.\n",
+        "plan between graph breaks) as data in one request; the server runs it next to the engine, each run of "
+        "calls between host breaks as ONE engine request that keeps its KV from call to call (engine-side "
+        "continuation). The interpreted program makes its gens and selects one HTTP request at a time over "
+        "RuntimeEndpoint; the ablation runs the compiled program on a second server with "
+        "`--disable-continuation` (one engine request per call). "
+        f"Temperature 0, the three ways alternating (rotating order) within each of {r['reps']} repetitions "
+        "after a warm-up run of each; ratio = compiled / interpreted and continuation = compiled / compiled "
+        "without continuation, per repetition."
+        + ("" if static is None else f" The static chain made exactly one HTTP request in every run: "
+                                     f"{'yes' if static else 'no'}.") + "\n",
         command(r) + f" Run note: {r['note']}.", "",
-        table(["program", "interpreted", "compiled (/v1/programs)", "ratio", "target", "HTTP requests interpreted",
-               "HTTP requests compiled", "same variables"], rows)]) + "\n"
+        table(["program", "interpreted", "compiled (/v1/programs)", "compiled, no continuation", "ratio",
+               "target", "continuation", "HTTP requests interpreted", "HTTP requests compiled", "same variables"],
+              rows)]) + "\n"
 
 
 README_LINES: dict = {}  # results file -> its line in README's block (registered like SECTIONS)

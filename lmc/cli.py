@@ -482,6 +482,7 @@ def _worker_argv(args) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     return argv + [flag for flag, on in (("--disable-radix-cache", args.disable_radix_cache),
+                                         ("--disable-continuation", args.disable_continuation),
                                          ("--enable-metrics", args.enable_metrics)) if on]
 
 
@@ -513,7 +514,7 @@ def _serve(args) -> int:
 
     kwargs = {"device": args.device, "dtype": args.dtype, "schedule_policy": args.schedule_policy,
               "disable_radix_cache": args.disable_radix_cache, "max_running_requests": args.max_running_requests,
-              "tensor_parallel_size": args.tp}
+              "tensor_parallel_size": args.tp, "enable_continuation": not args.disable_continuation}
     if args.max_total_tokens is not None:
         kwargs["max_total_tokens"] = args.max_total_tokens
     if args.context_length is not None:
@@ -676,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--served-model-name", default=None, help="the model name the API reports")
     sv.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"])
     sv.add_argument("--disable-radix-cache", action="store_true")
+    sv.add_argument("--disable-continuation", action="store_true",
+                    help="run each call of a /v1/programs program as its own engine request (the ablation)")
     sv.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics")
     sv.add_argument("--device", default="auto")
     sv.add_argument("--dtype", default="auto")

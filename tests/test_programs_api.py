@@ -17,6 +17,7 @@ from lmc.server import ServerThread, create_app
 from lmc.server.programs_api import ProgramLimits
 
 from conftest import API_KEY as KEY
+from programs_support import CountingApp, chain, forked
 from test_examples import load
 
 try:
@@ -28,39 +29,6 @@ judge = load("judge").judge
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
-class CountingApp:
-    """Test double: an ASGI wrapper that records each HTTP request's path (and its JSON body, in `bodies`) and
-    answers 404 for `missing` paths (a server without those routes)."""
-
-    def __init__(self, app, missing=()):
-        self.app, self.missing, self.paths, self.bodies = app, set(missing), [], []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            self.paths.append(scope["path"])
-            if scope["path"] in self.missing:
-                await send({"type": "http.response.start", "status": 404,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": b'{"error": {"message": "Not Found"}}'})
-                return
-            messages, raw = [], b""
-            while True:
-                m = await receive()
-                messages.append(m)
-                raw += m.get("body", b"")
-                if m["type"] != "http.request" or not m.get("more_body"):
-                    break
-            self.bodies.append((scope["path"], json.loads(raw) if raw else None))
-            replay = iter(messages)
-
-            async def receive_again():
-                return next(replay, None) or await receive()
-
-            await self.app(scope, receive_again, send)
-            return
-        await self.app(scope, receive, send)
-
-
 @pytest.fixture(scope="module")
 def counted(engine):
     app = CountingApp(create_app(engine, api_key=KEY, program_limits=ProgramLimits(
@@ -69,25 +37,6 @@ def counted(engine):
         ep = lmc.RuntimeEndpoint(srv.url, api_key=KEY)
         yield srv, app, ep
         ep.shutdown()
-
-
-@lmc.function
-def chain(s, topic):
-    """A chain of 6 short gens and selects."""
-    s += "Topic: " + topic + "\n"
-    for i in range(3):
-        s += f"Fact {i + 1}:" + lmc.gen(f"fact{i}", max_tokens=6, stop="\n") + "\n"
-        s += "Is it true? " + lmc.select(f"true{i}", choices=["yes", "no"]) + "\n"
-
-
-@lmc.function
-def forked(s, topic):
-    s += "Topic: " + topic + "\n"
-    forks = s.fork(2)
-    for k, f in enumerate(forks):
-        f += f"Idea {k}:" + lmc.gen("idea", max_tokens=6, stop="\n")
-    forks.join()
-    s += "Best idea:" + lmc.gen("best", max_tokens=6, stop="\n")
 
 
 def _post(srv, body, **kw):
@@ -286,23 +235,30 @@ def test_program_field_on_generate_and_openai_routes(counted):
 
 @pytest.mark.parametrize("via", ["local", "server"])
 def test_hints_reach_the_engine_requests(engine, counted, via):
-    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph)."""
+    """In process, and through /v1/programs (the client's plan carries its hints table: plan data has no graph).
+    The static chain is one engine request (continuation): its hints move on with each call."""
     seen = []
     sched = engine.scheduler
-    add = sched.add
+    add, advance = sched.add, sched._continuation.advance
     srv, app, ep = counted
 
     def recording_add(req):  # the scheduler thread calls it for each request it receives
         seen.append(req.program)
         return add(req)
 
-    sched.add = recording_add
+    def recording_advance(req, reason, text):  # ... and this as a chain request goes on to its next call
+        went_on = advance(req, reason, text)
+        if went_on:
+            seen.append(req.program)
+        return went_on
+
+    sched.add, sched._continuation.advance = recording_add, recording_advance
     app.bodies.clear()
     try:
         chain.compile().run(topic="glass", backend=lmc.Local(engine=engine) if via == "local" else ep,
                             temperature=0)
     finally:
-        del sched.add
+        del sched.add, sched._continuation.advance
     if via == "server":
         assert [p for p, _ in app.bodies] == ["/v1/programs"] and app.bodies[0][1]["hints"]
     hinted = [h for h in seen if h is not None]

@@ -23,9 +23,11 @@ class Local:
 
     @property
     def capabilities(self) -> Capabilities:
-        """Selects by token ids; whether queued requests share a prefix's computation is the scheduler's."""
+        """Selects by token ids; whether queued requests share a prefix's computation is the scheduler's; chains
+        of calls as one request where the engine's continuation is on."""
         return Capabilities(token_id_selects=True,
-                            batch_prefix_sharing=self.engine.scheduler.shares_prefixes_in_batch)
+                            batch_prefix_sharing=self.engine.scheduler.shares_prefixes_in_batch,
+                            engine_chains=self.engine.enable_continuation)
 
     def _check(self, images: list[Image]) -> None:
         if images:
@@ -73,6 +75,15 @@ class Local:
         prompt = r["meta_info"]["input_token_logprobs"]
         nxt = r["meta_info"]["output_token_ids_logprobs"][0]
         return await self._decide(choices, [prompt + [lp] for lp in nxt], method)
+
+    async def chain(self, steps):
+        """Run lmc.runtime.ChainStep's as one engine request (Engine.async_chain) with the program's hints; yields
+        each step's result as it finishes (its tokens go to the program's usage, one call each), then the final
+        result (`stopped_at`: the first step not run)."""
+        async for item in self.engine.async_chain(steps, program=current_hints()):
+            if "index" in item:
+                record_usage(item["request_meta"])
+            yield item
 
     async def _engine_call(self, prompts, params, **kw):
         """One engine call (a prompt, or a batch of them) with the program's hints; its tokens go to the program's

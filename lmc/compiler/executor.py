@@ -5,7 +5,8 @@ No program body runs and no DSL expression is built: each operation is one call 
 (`Stream.append`, `generate`, `score`, ...), which keep the program state (text, variables, meta info, role
 turns) exactly as the interpreter's expressions do. Every instance of a batch is in flight at once, so the
 engine's scheduler sees the whole frontier. An instance waits only where the plan says it must: a generate or
-score (its value), a join (its branches), a branch (its test), a break (the segment ends there). Every value an
+score (its value), a join (its branches), a branch (its test), a break (the segment ends there). On a backend
+that runs chains of calls as one engine request, each run of calls between host breaks is one (compiler.chain). Every value an
 operation produces is recorded under the body operation it came from (`Stream.history`), which is what a resumed
 trace replays. Each generate and score runs with its program hints (lmc.compiler.hints, from the plan's graph)
 as `stream.hints`, which backends send with the request (lmc.protocol.current_hints).
@@ -82,12 +83,21 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
     """Run a block of operations on one stream; returns the break reached, if any. An error stops the block
     and is recorded on the stream (as the interpreter records it on the state)."""
     forks: dict[int, tuple[list[Stream], list[asyncio.Task]]] = {}
-    for op in ops:
+    chains = capabilities(stream.backend).engine_chains
+    if chains:
+        from .chain import CHAIN_START, run_chain  # (it builds on this module)
+    skip = 0
+    for i, op in enumerate(ops):
+        if skip:  # run by the engine chain before
+            skip -= 1
+            continue
         if stream.error is not None:
             return None
         stream.hints = None  # only a generate or score has hints (a fork's prefill hint, say, is no program call)
         try:
-            if isinstance(op, Extend):
+            if chains and isinstance(op, CHAIN_START) and (ran := await run_chain(plan, ops, i, stream, args)):
+                skip = ran - 1  # a run of calls as one engine request (lmc.compiler.chain)
+            elif isinstance(op, Extend):
                 _extend(op.parts, args, stream)
             elif isinstance(op, Generate):
                 stream.hints = _hints(plan, op, stream)

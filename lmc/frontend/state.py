@@ -212,9 +212,7 @@ class Stream:
                        speculation=None) -> None:
         """Continue the text with one gen into variable `name` (None: the text only). `speculation`: the
         lmc.protocol.SpecStep a compiled plan gives it, for backends that run planned API speculation."""
-        params = params.merged_over(self.defaults)
-        if self.role == "assistant" and self.backend.chat_template.stop_token_ids:
-            params.stop_token_ids = list(params.stop_token_ids or ()) + list(self.backend.chat_template.stop_token_ids)
+        params = self.call_params(params)
         if self.stream_tokens and (params.n or 1) == 1:
             out, meta = "", None
             async for delta, meta in self.backend.generate_stream(self.text, params, self.images):
@@ -227,6 +225,20 @@ class Stream:
             out, meta = await self.backend.generate(self.text, params, self.images,
                                                     **({"speculation": speculation} if planned else {}))
             self.append(out[0] if isinstance(out, list) else out)
+        self._set(name, _convert(out, params.dtype, name), meta, op)
+
+    def call_params(self, params: GenParams) -> GenParams:
+        """A gen's parameters as its call gets them here: over the program's defaults, and in an assistant turn
+        with the template's end-of-turn tokens as stops."""
+        params = params.merged_over(self.defaults)
+        if self.role == "assistant" and self.backend.chat_template.stop_token_ids:
+            params.stop_token_ids = list(params.stop_token_ids or ()) + list(self.backend.chat_template.stop_token_ids)
+        return params
+
+    def put_gen(self, name: str | None, params: GenParams, out: str, meta, op: int | None = None) -> None:
+        """A gen's output computed elsewhere (an engine chain, lmc.compiler.chain): appended and set, as
+        `generate` does with its own. `params`: from call_params."""
+        self.append(out)
         self._set(name, _convert(out, params.dtype, name), meta, op)
 
     async def score(self, name: str | None, choices: list[str], temperature: float, method=None,
@@ -242,6 +254,10 @@ class Stream:
             if prefill and len(choices) > 1:
                 await self.backend.commit(self.text)
             decision = await self.backend.select(self.text, choices, temperature, method)
+        self.put_choice(name, decision, op)
+
+    def put_choice(self, name: str | None, decision, op: int | None = None) -> None:
+        """A select's ChoicesDecision (made here or by an engine chain): appended and set."""
         self.append(decision.decision)
         self._set(name, decision.decision, decision.meta_info, op)
 

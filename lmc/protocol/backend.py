@@ -21,12 +21,15 @@ class Capabilities:
     server_plans: it runs a compiled segment whole, server-side (lmc.RuntimeEndpoint on an lmc server, through
         POST /v1/programs; lmc.compiler.remote).
     planned_speculation: `generate` takes `speculation=SpecStep`, and runs API speculation as a plan says.
+    engine_chains: `chain(steps)` runs a chain of gens and single-token selects as one engine request that keeps
+        its KV between them (lmc.Local; lmc.runtime.continuation), streaming each step's result.
     """
     images: bool = False
     token_id_selects: bool = False
     batch_prefix_sharing: bool = False
     server_plans: bool = False
     planned_speculation: bool = False
+    engine_chains: bool = False
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,9 @@ class Req:
     on_progress: Any = None  # callback(req), called on the scheduler thread after each step that advanced it
     grammar: Any = None  # xgrammar GrammarMatcher when the request is constrained (regex / json_schema / ebnf)
     program: Any = None  # lmc.protocol.ProgramHints: the request's program instance and plan position (hints only)
+    chain: Any = None  # continuation.Chain: the LM calls this one request runs in a row (None: a single call)
+    parent: Any = None  # the chain request whose select this one scores (one choice: `choice`), queued by the engine
+    choice: int = -1
     # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was
     # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
     jump_forward_tokens: int = 0
@@ -274,4 +277,9 @@ class Req:
         return meta
 
     def result(self) -> dict:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        """The last call's text, ids and meta info; a chain's also has every finished step's `segments` and the
+        first step not run, `stopped_at` (None: every step ran)."""
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        if self.chain is not None:
+            out.update(segments=list(self.chain.segments), stopped_at=self.chain.stopped_at)
+        return out

@@ -33,6 +33,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from . import continuation
+from .continuation import ChainStep
 from .core import EngineError, Req, RequestError, SamplingParams
 from .grammar import GrammarCache
 from .model.loader import resolve
@@ -61,7 +63,8 @@ class Engine:
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
                  max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False,
-                 tensor_parallel_size: int = 1, overlap_schedule: bool | None = None):
+                 tensor_parallel_size: int = 1, overlap_schedule: bool | None = None,
+                 enable_continuation: bool = True):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
@@ -78,7 +81,9 @@ class Engine:
         `overlap_schedule`: process each step's output while the next step runs on the device (scheduler/). None:
         on where it pays, i.e. on CUDA; on the CPU the forward already uses every core, and the host's share of
         a step is too small to win back what a second thread costs it (benchmarks/overlap_bench.py). Outputs are
-        the same either way."""
+        the same either way.
+        `enable_continuation`: whether program backends (lmc.Local) run a chain of calls as one request
+        (`submit_chain`, runtime/continuation.py); off, they make one request per call. Outputs are the same."""
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
               "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -112,6 +117,7 @@ class Engine:
             disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed, grammars=self.grammars,
             enable_jump_forward=enable_jump_forward, debug_checks=check_invariants, overlap=self.overlap_schedule)
         self.check_invariants = check_invariants
+        self.enable_continuation = enable_continuation
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._flushes: list[Future] = []
         self._futures: dict[Req, Future] = {}
@@ -174,6 +180,49 @@ class Engine:
             return fut
         self._enqueue(req, fut)
         return fut
+
+    def submit_chain(self, steps: Sequence[ChainStep], program=None, on_segment=None) -> RequestFuture:
+        """Run a chain of calls (gens and selects, each after its constant text) as one request that keeps its KV
+        from one call to the next (runtime/continuation.py). `program`: the hints of steps that carry none. `on_segment(segment)`: called, on the
+        scheduler thread, with each step's result as it finishes. The future's result is the last call's, with
+        every step's `segments` and `stopped_at` (the first step not run, or None). A malformed chain fails the
+        future with RequestError naming the step."""
+        fut = RequestFuture()
+        try:
+            self._check_open()
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.model_name!r} has no tokenizer: a chain is text")
+            chain = continuation.make_chain(steps, self.vocab_size, dict(vocab_size=self.vocab_size,
+                                            max_top_logprobs=self.max_top_logprobs), self.grammars, _program_hints)
+            first = chain.steps[0]
+            req = self.make_request(first.text, first.gen or {"max_new_tokens": 1},
+                                    program=first.program if first.program is not None else program)
+            continuation.start(req, self.tokenizer, chain)
+        except RequestError as e:
+            fut.set_exception(e)
+            return fut
+        if chain.stopped_at == 0:  # its first call is a select the engine cannot score by ids: nothing runs
+            fut.set_running_or_notify_cancel()
+            fut.set_result({"text": "", "output_ids": [], "meta_info": {}, "segments": [], "stopped_at": 0})
+            return fut
+        req.on_progress = _Segments(on_segment) if on_segment is not None else None
+        self._enqueue(req, fut)
+        return fut
+
+    async def async_chain(self, steps: Sequence[ChainStep], program=None):
+        """`submit_chain` for asyncio: yields each step's result (a segment) as it finishes, then the final result
+        (its `segments` and `stopped_at`). Cancelled or closed early, the request is aborted."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        fut = self.submit_chain(steps, program, lambda seg: loop.call_soon_threadsafe(q.put_nowait, seg))
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, None))
+        try:
+            while (seg := await q.get()) is not None:
+                yield seg
+            yield await asyncio.wrap_future(fut)
+        finally:
+            if not fut.done():
+                self.abort(fut.rid)
 
     def _enqueue(self, req: Req, fut: RequestFuture) -> None:
         self._enqueue_batch([(req, fut)])
@@ -445,6 +494,8 @@ class Engine:
     def _deliver(self, r: Req) -> None:
         """Hand a request's progress to its stream, and its result (or the error it failed with) to its future
         once finished."""
+        if r.parent is not None or r not in self._futures:  # a select's choice (the engine's own), or delivered
+            return
         if r.error is not None:
             self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed in the engine: {r.error}"))
             return
@@ -534,6 +585,20 @@ def _token_ids(ids) -> list[int]:
         except TypeError:
             raise RequestError(f"input_ids must be integers, got {type(t).__name__} {repr(t)[:40]}") from None
     return out
+
+
+class _Segments:
+    """A chain request's progress callback: hands each newly finished step's result to `push`, in order."""
+
+    def __init__(self, push):
+        self.push = push
+
+    def __call__(self, r: Req) -> None:
+        chain = r.chain
+        while chain.emitted < len(chain.segments):
+            seg = chain.segments[chain.emitted]
+            chain.emitted += 1
+            self.push(seg)
 
 
 class _Deltas:

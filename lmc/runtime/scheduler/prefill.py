@@ -12,6 +12,10 @@ In-batch prefix dedup (cache-aware policies): a request whose prefix another req
 compute waits a step, then hits the cache. A batch of short jump-forward extends carries the running requests'
 decode step too (mixing), so a jump costs no extra forward.
 
+A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
+admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
+requests' decode step like jump-forward extends.
+
 A request whose last chunk is scheduled joins `running` at once, before its forward has run: with overlap the
 next decode step is scheduled while this prefill is still in flight, and reads its first token on the device.
 """
@@ -93,14 +97,56 @@ class PrefillAdder:
 
 
 def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
-    if s.chunked is None and not s.waiting:
+    if not s.continuing and s.chunked is None and not s.waiting:
         return None
-    if s.chunked is None and (len(s.running) >= s.cfg.max_running or not s.memory.rows.available):
-        return None  # nothing could be admitted: skip matching the queue
+    add = PrefillAdder(s)
+    _continue_chains(s, add)
+    _admit(s, add)
+    if not len(add.batch):
+        return None
+    b = add.batch
+    if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
+            and all((r.jumps or r.chain is not None) and r.computed_tokens for r in b.reqs)
+            and s.memory.room >= len(s.running)):
+        # Only short extends of running work to prefill (a jump-forward's forced tokens, a chain's next text):
+        # the running requests decode in the same forward (as 1-token extends, their input token read on the
+        # device), so a jump or a chain's next call costs its request no extra forward and the others no stall.
+        for r in s.running:
+            b.add(r, r.kv_len, 1, s.memory.extend(r, 1), True, from_buffer=True)
+        s.stats["mixed_forwards"] += 1
+    s.running.extend(add.joins)
+    return b.build(s.memory.take_pending())
+
+
+def _continue_chains(s: "Scheduler", add: PrefillAdder) -> None:
+    """The next chunk of each chain request between two calls (continuation.py): it is resident and holds its
+    KV, so it takes no admission and no match, and goes before the queue. One that finds no room while nothing
+    runs (nothing will free any) goes back to the queue, whose admission aborts it if it can never fit."""
+    for r in list(s.continuing):
+        ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
+        if ext <= 0:
+            if not s.running and not len(add.batch) and add.rem_chunk > 0:
+                s.continuing.remove(r)
+                s.memory.release(r)
+                r.computed_tokens = r.cached_tokens = 0
+                r.match_version = -1
+                s.waiting.insert(0, r)
+            break
+        add.take(r, ext)
+        if r.kv_len == len(r.fill_ids):
+            s.continuing.remove(r)
+
+
+def _admit(s: "Scheduler", add: PrefillAdder) -> None:
+    """Admit waiting requests into the batch (module docstring)."""
+    if s.chunked is None and not s.waiting:
+        return
+    if s.chunked is None and (len(s.running) + len(add.batch) >= s.cfg.max_running
+                              or not s.memory.rows.available):
+        return  # nothing could be admitted: skip matching the queue
     for r in s.waiting:
         match(s, r)
     order = s.policy.order(s.waiting, s.policy_context) if not s.cache.disabled else list(s.waiting)
-    add = PrefillAdder(s)
     if s.chunked is not None:  # the in-flight chunked request continues first
         r = s.chunked
         ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
@@ -136,17 +182,3 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
         add.take(r, ext)
     if admitted:
         s.waiting = [r for r in s.waiting if r not in admitted]
-    if not len(add.batch):
-        return None
-    b = add.batch
-    if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
-            and all(r.jumps and r.computed_tokens for r in b.reqs)
-            and s.memory.room >= len(s.running)):
-        # Only short jump-forward extends to prefill: the running requests decode in the same forward (as
-        # 1-token extends, their input token read on the device), so a jump costs its request no extra forward
-        # and the others no stall.
-        for r in s.running:
-            b.add(r, r.kv_len, 1, s.memory.extend(r, 1), True, from_buffer=True)
-        s.stats["mixed_forwards"] += 1
-    s.running.extend(add.joins)
-    return b.build(s.memory.take_pending())

@@ -16,6 +16,10 @@ is dropped (`Req.epoch`). Without overlap each step launches, samples and proces
 Either way the outputs are the same: greedy decoding is a function of the tokens, which do not depend on when the
 host learns them.
 
+Chains (continuation.py): a chain request whose call ends goes on to its next call instead of finishing
+(`finish`): it waits in `continuing`, resident with its KV, until its next prefill chunk is scheduled (before the
+queue, without admission or match), or in `parked` while the child requests scoring its select's choices run.
+
 Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
 for are singled out; those alone finish with an error (`Req.error`), the rest of the batch is processed as usual.
 A failed forward leaves the pools and the tree consistent: only KV of completed forwards enters the tree (cache.py),
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..continuation import Continuation
 from ..core import Req
 from ..jump_forward import REQUEUE, JumpForwarder
 from ..runner import Launch, ModelRunner, ScheduledBatch, StepOutput
@@ -66,11 +71,13 @@ class Scheduler:
         self.overlap = overlap
         self._rng = random.Random(seed)
         self._jump = JumpForwarder(self)
+        self._continuation = Continuation(self)
         self.stats = {"forwards": 0, "prefill_forwards": 0, "decode_forwards": 0, "prompt_tokens": 0,
                       "cached_tokens": 0, "computed_tokens": 0, "retractions": 0, "cache_seconds": 0.0,
                       "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
                       "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0, "failed_forwards": 0,
-                      "failed_requests": 0, "recoveries": 0, "stale_entries": 0}
+                      "failed_requests": 0, "recoveries": 0, "stale_entries": 0,
+                      "continuations": 0}
         self.reset()
 
     def reset(self) -> None:
@@ -80,8 +87,12 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        # Chain requests between two calls (continuation.py): resident, their next prefill chunk not yet scheduled.
+        self.continuing: list[Req] = []
+        self.parked: list[Req] = []  # chain requests waiting for their select's choice children (resident)
         self._inflight: _InFlight | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
+        self.out: list[Req] = []  # the requests the step under way made progress on
         self.no_match: set[Req] = set()  # requests whose cached prefix is ignored (match_drop_rate)
         self.new_token_ratio = self.cfg.init_new_token_ratio
         r = self.runner
@@ -121,8 +132,9 @@ class Scheduler:
     def add(self, req: Req) -> None:
         try:
             if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
-                self._early.append(req)  # the grammar forced the whole output: no forward needed
-                return
+                if req.finished:  # the grammar forced the whole output: no forward needed
+                    self._early.append(req)
+                return  # else a chain request went on to its next step (queued by the continuation)
         except Exception as e:  # it holds no KV yet: it fails alone, delivered by the next step
             if _device_fault(e):
                 raise
@@ -140,7 +152,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._early or self._inflight)
+        return bool(self.waiting or self.running or self.chunked or self.continuing or self._early or self._inflight)
 
     def abort(self, rid) -> Req | None:
         """Finish request `rid` now with an abort reason, wherever it is: queued (never admitted, retracted or
@@ -148,7 +160,8 @@ class Scheduler:
         computed KV goes to the radix tree like a finished request's (its computed prefix stays reusable).
         Returns the request, or None when no unfinished request has that id (it finished already: nothing to do)."""
         places = {"waiting": self.waiting, "running": self.running,
-                  "in a chunked prefill": [self.chunked] if self.chunked is not None else []}
+                  "in a chunked prefill": [self.chunked] if self.chunked is not None else [],
+                  "between two calls of its chain": self.continuing, "scoring a select's choices": self.parked}
         hit = next(((where, r) for where, reqs in places.items() for r in reqs if str(r.rid) == str(rid)), None)
         if hit is None:
             return None
@@ -264,7 +277,7 @@ class Scheduler:
             self.memory.truncate(r, r.kv_done if keep is None else min(keep, r.kv_done))
         if r is self.chunked:
             self.chunked = None
-        for q in (self.running, self.waiting):
+        for q in (self.running, self.waiting, self.continuing, self.parked):
             if r in q:
                 q.remove(r)
         self.memory.release(r)
@@ -272,6 +285,9 @@ class Scheduler:
         r.finish_reason = {"type": "abort", "message": f"internal error: {r.error}"}
         self.stats["failed_requests"] += 1
         log.error("request %s failed inside a step; the other requests carry on", r.rid, exc_info=exc)
+        if r.parent is not None and not r.parent.finished:  # a select's choice: its chain fails with it
+            self._fail(r.parent, exc)
+            self.out.append(r.parent)
 
     # ---- after the forward ---------------------------------------------------------------------------------
     def _process(self, sb: ScheduledBatch, out: StepOutput) -> list[Req]:
@@ -362,21 +378,36 @@ class Scheduler:
         return None
 
     def finish(self, r: Req, reason: dict) -> None:
+        """r's call ended with `reason`. A chain request with a next step goes on to it instead (continuation.py);
+        else r is finished and gives up its KV."""
+        text = self._output_text(r, reason)
+        if r.chain is not None and self._continuation.advance(r, reason, text):
+            return
         r.finished, r.finish_reason = True, reason
         self.no_match.discard(r)
-        if r in self.running:
-            self.running.remove(r)
+        for q in (self.running, self.continuing, self.parked):
+            if r in q:
+                q.remove(r)
         self.memory.release(r)
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
-                text = text[:text.find(reason["matched"])]
-            r.text = text
+        r.text = text
+        if r.parent is not None:
+            self._continuation.child_done(r)
+            if r.parent.finished or r.parent in self.continuing or r.parent in self.waiting:
+                self.out.append(r.parent)  # it progressed (its select's segment is out): deliver it
+
+    def _output_text(self, r: Req, reason: dict) -> str:
+        """The text of r's output, cut before the stop string it stopped at."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+            text = text[:text.find(reason["matched"])]
+        return text
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def resident(self) -> list[Req]:
         """Requests holding KV: running, the chunked one, and any whose only forward is still in flight."""
-        out = list(self.running)
+        out = list(self.running) + [r for r in self.continuing + self.parked if r.row >= 0]
         if self.chunked is not None and self.chunked not in out:
             out.append(self.chunked)
         f = self._inflight

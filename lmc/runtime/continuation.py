@@ -1,0 +1,286 @@
+"""Engine-side continuation: a chain of LM calls (gens and single-token selects, each after its constant text) run
+as ONE request, which keeps its KV between the calls.
+
+    steps = [ChainStep("Topic: moon\nFact 1:", gen={"max_new_tokens": 6, "stop": "\n", "temperature": 0}),
+             ChainStep("\nIs it true? ", choices=["yes", "no"], token_ids=[7566, 1119], method=...)]
+    async for event in engine.async_chain(steps): ...   # one event per finished step, then the end
+
+When a step's call ends (stop, length), the scheduler does not finish the request: it appends the call's text and
+the next step's text to the chain's text, and re-encodes that text with the tokenizer, exactly as the next
+request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`), so the tokens are canonical and
+outputs at temperature 0 equal the step-by-step ones. The KV of the longest common prefix of the old and new
+tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
+leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
+the frontend, no admission, no prefix match. Only when the retokenization changed a token the radix tree already
+owns (or the request lost its KV, e.g. after a jump-forward) does it go back to the queue and re-match.
+
+A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
+decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
+- where each choice is its one token id after the text (`select_tokens`), by the request itself: one forward over
+  the prompt's end gives the last two prompt tokens' logprobs and each choice id's next-token logprob;
+- otherwise (`select`), by one child request per choice (text + choice, prefill only, logprobs from two tokens
+  before the text's end), queued by the scheduler itself: the parent puts its computed KV into the radix tree
+  (keeping it) and waits, parked, while the children share that prefix; their logprobs decide, and the parent
+  goes on with its KV. A select as a chain's first step runs the same way after the prompt's prefill.
+A next prompt past the context ends the chain there: the result's `stopped_at` names the first step not run,
+which the caller runs its usual way.
+
+Each finished step's result (`segment`) is kept on the chain and streamed to the engine's caller as it finishes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .core import Req, RequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+@dataclass
+class ChainStep:
+    """One LM call of a chain, after `text` (the constant text appended before it; step 0's is the prompt).
+    Exactly one of `gen` (its sampling parameters) or `choices` (a select: with each choice's single token id
+    after the text, `token_ids`, where the plan has them, and the lmc.protocol choice method deciding it) is set."""
+    text: str
+    gen: dict | SamplingParams | None = None
+    choices: list[str] | None = None
+    token_ids: list[int] | None = None
+    method: Any = None
+    program: Any = None  # the call's program hints (lmc.protocol.ProgramHints or its dict): Req.program during it
+    grammar: Any = None  # the gen's GrammarMatcher, compiled when the chain is made (never on the scheduler thread)
+
+
+@dataclass
+class Chain:
+    """A request's chain: the steps, the one running (`at`), the whole text so far, the finished steps' results."""
+    steps: list[ChainStep]
+    text: str
+    at: int = 0
+    segments: list[dict] = field(default_factory=list)
+    stopped_at: int | None = None  # the first step not run, when the chain ended before its last step
+    # A select scored by child requests: each choice's prompt logprobs as its child finishes, then the segment.
+    choice_logprobs: list | None = None
+    scored: dict | None = None
+    emitted: int = 0  # segments handed to the caller's stream so far (the engine's side)
+
+
+def select_params(ids: list[int], step: ChainStep) -> SamplingParams:
+    """A select step's request: one greedy token, with the last two prompt logprobs and the choices' logprobs."""
+    return SamplingParams(max_new_tokens=1, temperature=0, return_logprob=True,
+                          logprob_start_len=max(len(ids) - 2, 0), token_ids_logprob=list(step.token_ids))
+
+
+def single_tokens(tokenizer, text: str, ids: list[int], step: ChainStep) -> bool:
+    """Whether each choice is its one token after `text` (what select_tokens checks before scoring by ids)."""
+    return step.token_ids is not None and all(tokenizer.encode(text + c) == ids + [t] for c, t in zip(step.choices, step.token_ids))
+
+
+def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
+    """Validate the steps (RequestError naming the step and its field) and compile their grammars. `hints`:
+    a step's program hints as ProgramHints (RequestError when malformed)."""
+    if not isinstance(steps, (list, tuple)) or not steps:
+        raise RequestError("a chain is a non-empty list of steps (ChainStep, or dicts of its fields)")
+    out = []
+    for i, st in enumerate(steps):
+        where = f"chain step {i}"
+        if isinstance(st, dict):
+            unknown = sorted(set(st) - {"text", "gen", "choices", "token_ids", "method", "program"})
+            if unknown or "text" not in st:
+                raise RequestError(f"{where}: a step has a text and a gen, or choices, token_ids and a method "
+                                   f"(unknown field(s): {unknown})")
+            st = ChainStep(**st)
+        if not isinstance(st, ChainStep):
+            raise RequestError(f"{where}: must be a ChainStep (or a dict of its fields), got {type(st).__name__}")
+        if not isinstance(st.text, str):
+            raise RequestError(f"{where}: text must be a string, got {type(st.text).__name__}")
+        try:
+            program = hints(st.program)
+        except RequestError as e:
+            raise RequestError(f"{where}: program: {e}") from None
+        if (st.gen is None) == (st.choices is None):
+            raise RequestError(f"{where}: set exactly one of gen (a gen's sampling parameters) or choices (a select)")
+        if st.gen is not None:
+            try:
+                params = (st.gen.validate(**limits) if isinstance(st.gen, SamplingParams)
+                          else SamplingParams.from_dict(st.gen, **limits))
+            except RequestError as e:
+                raise RequestError(f"{where}: {e}") from None
+            out.append(ChainStep(st.text, gen=params, program=program, grammar=grammars.matcher(params)))
+            continue
+        if (not isinstance(st.choices, list) or not st.choices
+                or not all(isinstance(c, str) and c for c in st.choices)):
+            raise RequestError(f"{where}: choices must be a non-empty list of non-empty strings")
+        ids = st.token_ids
+        if ids is not None and (not isinstance(ids, list) or len(ids) != len(st.choices) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+            raise RequestError(f"{where}: token_ids must be None or one token id in [0, {vocab_size}) per choice")
+        if not callable(st.method) or getattr(st.method, "requires_unconditional_logprobs", False):
+            raise RequestError(f"{where}: method must be a choice method that scores from the prompt's logprobs "
+                               "alone (token_length_normalized or greedy_token_selection)")
+        out.append(ChainStep(st.text, choices=list(st.choices), token_ids=ids and list(ids), method=st.method,
+                             program=program))
+    if not out[0].text:
+        raise RequestError("chain step 0: its text is the prompt and must not be empty")
+    return Chain(out, out[0].text)
+
+
+def start(r: Req, tokenizer, chain: Chain) -> None:
+    """Point a new request at its chain's first step (its input ids are the encoded prompt). A first step that
+    is a select of multi-token choices is preceded by a prefill of the prompt, whose end queues the choices."""
+    r.chain = chain
+    step = chain.steps[0]
+    if step.choices is not None and single_tokens(tokenizer, chain.text, r.input_ids, step):
+        r.params = select_params(r.input_ids, step)
+    elif step.choices is not None:  # the prompt's prefill first (`at` -1), then the children of step 0
+        r.params = SamplingParams(max_new_tokens=0)
+        chain.at, chain.text = -1, ""
+    else:
+        r.params, r.grammar = step.gen, step.grammar
+
+
+class Continuation:
+    """The scheduler's side: on the end of a step's call, advance the request to its next step."""
+
+    def __init__(self, s: "Scheduler"):
+        self.s = s
+
+    def segment(self, r: Req, reason: dict, text: str) -> dict:
+        """The result of r's running step: a gen's text and meta info; a select's decision and its meta info.
+        `request_meta`: the step's token counts (usage), as a step-by-step request's meta_info."""
+        step = r.chain.steps[r.chain.at]
+        meta = {**r.meta_info(), "finish_reason": reason}
+        seg = {"index": r.chain.at, "kind": "gen", "text": text, "output_ids": list(r.output_ids),
+               "meta_info": meta, "request_meta": meta}
+        if step.choices is not None:
+            from ..protocol import decide  # (pure Python: the choice methods' one scoring path)
+
+            prompt = r.input_logprobs
+            nxt = r.output_token_ids_logprobs[0] if r.output_token_ids_logprobs else None
+            if nxt is None:  # (a select's forward always samples its one token)
+                seg.update(kind="select", text="", error=reason.get("message", "the select was not scored"))
+                return seg
+            d = decide(step.method, step.choices, [prompt + [lp] for lp in nxt])
+            seg.update(kind="select", text=d.decision, meta_info=d.meta_info, output_ids=[])
+        return seg
+
+    def advance(self, r: Req, reason: dict, text: str) -> bool:
+        """r's step ended with `reason` and output `text`. Record its segment; if another step follows and can
+        run, set r up for it and return True (r goes on); else False (r finishes now)."""
+        chain, s = r.chain, self.s
+        if reason.get("type") not in ("stop", "length"):
+            return False  # aborted or failed: the call did not finish (its partial output is the request's result)
+        if chain.at < 0:  # the prompt's prefill before a first select: no step of the caller's
+            seg = {"text": ""}
+        else:
+            seg, chain.scored = chain.scored or self.segment(r, reason, text), None
+            chain.segments.append(seg)
+        nxt_at = chain.at + 1
+        if "error" in seg or nxt_at >= len(chain.steps):
+            return False
+        step = chain.steps[nxt_at]
+        new_text = chain.text + seg["text"] + step.text
+        ids = s.tokenizer.encode(new_text)
+        limit = min(s.context_length, s.memory.slots.num_slots)
+        if len(ids) >= limit:
+            chain.stopped_at = nxt_at
+            return False
+        if step.choices is not None and not single_tokens(s.tokenizer, new_text, ids, step):
+            return self._score_by_children(r, new_text, ids, step, nxt_at, limit)
+        chain.text, chain.at = new_text, nxt_at
+        r.program = step.program if step.program is not None else r.program
+        params = select_params(ids, step) if step.choices is not None else step.gen
+        keep = _common_prefix(r.fill_ids[:r.kv_done], ids)
+        keep = min(keep, len(ids) - 1)  # the last token is always computed: its logits are the next call's
+        start = len(ids) if not params.return_logprob or params.logprob_start_len < 0 else min(
+            params.logprob_start_len, len(ids))
+        if start < len(ids):
+            keep = min(keep, max(start - 1, 0))  # prompt logprobs are recorded from computed positions only
+        held = r.row >= 0 and keep >= r.cache_protected_len
+        if r in s.running:
+            s.running.remove(r)
+        if held:
+            s.memory.truncate(r, keep)
+            r.epoch += 1  # an entry of r scheduled before this (overlap) is stale now
+        else:
+            s.memory.release(r)  # its computed KV goes to the tree under the old tokens; it re-matches below
+        _reset(r, ids, params, step.grammar, keep if held else 0)
+        s.stats["continuations"] += 1
+        if held:
+            s.stats["prompt_tokens"] += len(ids)
+            s.stats["cached_tokens"] += keep
+            s.continuing.append(r)
+        else:
+            s.waiting.insert(0, r)
+        return True
+
+    def _score_by_children(self, r: Req, text: str, ids: list[int], step: ChainStep, at: int, limit: int) -> bool:
+        """Queue one child request per choice of the select `step` (module docstring) and park r."""
+        s, chain = self.s, r.chain
+        prompts = [s.tokenizer.encode(text + c) for c in step.choices]
+        if max(map(len, prompts)) >= limit:
+            chain.stopped_at = at
+            return False
+        chain.text, chain.at = text, at
+        r.program = step.program if step.program is not None else r.program
+        if r in s.running:
+            s.running.remove(r)
+        if r.row >= 0:
+            s.memory.truncate(r, r.kv_done)  # (a slot of a step in flight, with overlap)
+            r.epoch += 1
+            s.memory.cache_unfinished(r)  # the children find r's computed prefix in the tree
+        chain.choice_logprobs = [None] * len(prompts)
+        params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=max(len(ids) - 2, 0))
+        for i, p in enumerate(prompts):
+            child = Req(p, params, program=r.program)
+            child.parent, child.choice = r, i
+            s.waiting.insert(i, child)
+        s.parked.append(r)
+        s.stats["continuations"] += 1
+        return True
+
+    def child_done(self, child: Req) -> None:
+        """A choice's child finished: keep its logprobs; the last one decides, and the parent goes on."""
+        parent = child.parent
+        chain = parent.chain
+        if parent.finished or parent not in self.s.parked:
+            return  # the parent was aborted or failed meanwhile
+        if child.finish_reason.get("type") == "abort":
+            self.s.parked.remove(parent)
+            self.s.finish(parent, child.finish_reason)
+            return
+        chain.choice_logprobs[child.choice] = (child.input_logprobs, child.meta_info())
+        if any(x is None for x in chain.choice_logprobs):
+            return
+        from ..protocol import decide
+
+        step = chain.steps[chain.at]
+        d = decide(step.method, step.choices, [lps for lps, _ in chain.choice_logprobs])
+        metas = [m for _, m in chain.choice_logprobs]
+        usage = {k: sum(m[k] for m in metas) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+        reason = {"type": "stop", "matched": d.decision}
+        chain.scored = {"index": chain.at, "kind": "select", "text": d.decision, "output_ids": [],
+                        "meta_info": d.meta_info, "request_meta": {**usage, "finish_reason": reason}}
+        chain.choice_logprobs = None
+        self.s.parked.remove(parent)
+        self.s.finish(parent, reason)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _reset(r: Req, ids: list[int], params: SamplingParams, grammar, kept: int) -> None:
+    """r's per-call state for its next step: the new prompt, no output, its own counters (meta_info per call)."""
+    r.input_ids, r.output_ids, r.params, r.grammar = ids, [], params, grammar
+    r.finished, r.finish_reason, r.text = False, None, ""
+    r.input_logprobs, r.input_top_logprobs = [], []
+    r.output_logprobs, r.output_top_logprobs, r.output_token_ids_logprobs = [], [], []
+    r.cached_tokens = r.computed_tokens = kept
+    r.forward_passes = r.jump_forward_tokens = r.retokenized_tokens = r.jumps = r.canonical_len = 0
+    r.match_version = -1

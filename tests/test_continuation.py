@@ -1,0 +1,143 @@
+"""Engine-side continuation (lmc.runtime.continuation, lmc.compiler.chain), on the session engine: a compiled
+program's run of gens and selects between host breaks is one engine request, and gives what the call-by-call
+run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
+children, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
+aborted chain gives up its KV."""
+import asyncio
+import re
+import threading
+
+import pytest
+
+import lmc
+from lmc.protocol import token_length_normalized, unconditional_likelihood_normalized
+from lmc.runtime import RequestError
+
+
+@lmc.function
+def mixed(s, topic):
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("fact", max_tokens=8, stop="\n")
+    s += "\nIs it true? " + lmc.select("true", choices=["yes", "no"])  # multi-token: scored by children
+    s += "\nI rate it " + lmc.select("score", choices=["1", "2", "3", "4", "5"])  # one token id each
+    s += " out of 5.\nYear:" + lmc.gen("year", max_tokens=6, regex=r" [0-9]{4}")
+    s += "\nIn one word:" + lmc.gen("word", max_tokens=3)  # ends on max tokens
+
+
+@lmc.function
+def forked(s, topic):
+    s += lmc.user("Rate " + topic + ".")
+    forks = s.fork(2)
+    for k, f in enumerate(forks):
+        f += lmc.assistant(f"Take {k}: I give it " + lmc.select("score", choices=["1", "2", "3"])
+                           + " because" + lmc.gen("why", max_tokens=5, stop="."))
+    forks.join()
+    s += lmc.user("Summary?") + lmc.assistant(lmc.gen("summary", max_tokens=5))
+
+
+class CountedEnqueues:
+    """Test double around Engine._enqueue_batch: counts the requests that reach the engine's inbox (a chain's
+    select children are the scheduler's own and never do)."""
+
+    def __init__(self, engine):
+        self.engine, self.count, self.real = engine, 0, engine._enqueue_batch
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        return self.real(batch)
+
+
+@pytest.fixture
+def local(engine, monkeypatch):
+    counted = CountedEnqueues(engine)
+    monkeypatch.setattr(engine, "_enqueue_batch", counted)
+    yield lmc.Local(engine=engine), counted
+    engine.enable_continuation = True
+
+
+def _run(program, be, engine, continuation: bool, **args):
+    engine.enable_continuation = continuation
+    state = program.compile().run(**args, backend=be, temperature=0)
+    assert state.error() is None
+    return state
+
+
+def test_static_chain_is_one_request_and_matches_call_by_call(local, engine):
+    be, counted = local
+    before = engine.stats()["continuations"]
+    off = _run(mixed, be, engine, False, topic="the moon")
+    assert engine.stats()["continuations"] == before
+    counted.count = 0
+    on = _run(mixed, be, engine, True, topic="the moon")
+    assert counted.count == 1  # the whole static program: one engine request
+    assert engine.stats()["continuations"] - before == 4  # 5 calls, 4 boundaries
+    assert on.variables() == off.variables() and on.text() == off.text()
+    assert len(on["year"]) == 5 and on["year"][1:].isdigit()  # the regex held across the boundary
+    ids = {on.get_meta_info(k)["id"] for k in ("fact", "year", "word")}
+    assert len(ids) == 1
+    assert on.get_meta_info("word")["completion_tokens"] == 3
+    assert on.get_meta_info("word")["cached_tokens"] > 0  # its prefix stayed in the request's KV
+    assert on.get_meta_info("score")["normalized_prompt_logprobs"] == pytest.approx(
+        off.get_meta_info("score")["normalized_prompt_logprobs"], abs=1e-3)
+    usage = lmc.backend.openai.program_usage(on)
+    assert usage.calls == 5 and usage.completion_tokens > 0
+
+
+def test_forks_run_a_chain_per_branch_and_match(local, engine):
+    be, counted = local
+    off = _run(forked, be, engine, False, topic="bread")
+    counted.count = 0
+    on = _run(forked, be, engine, True, topic="bread")
+    assert counted.count == 4  # the fork's prefill hint, one chain per branch, and the gen after the join
+    assert on.variables() == off.variables() and on.text() == off.text()
+    assert on.messages() == off.messages()
+
+
+def test_each_call_streams_as_it_finishes(engine):
+    g = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    steps = [{"text": "Count: one, two,", "gen": g},
+             {"text": "\nAgain? ", "choices": ["yes", "no"], "method": token_length_normalized},
+             {"text": "\nMore:", "gen": g}]
+    seen = []  # (segment index, whether the final result was already out)
+
+    async def consume():
+        async for item in engine.async_chain(steps):
+            seen.append(item.get("index", "end"))
+        return item
+
+    final = asyncio.run(consume())
+    assert seen == [0, 1, 2, "end"]
+    assert [s["kind"] for s in final["segments"]] == ["gen", "select", "gen"]
+    assert final["segments"][1]["text"] in ("yes", "no") and final["stopped_at"] is None
+    step_by_step = engine.generate("Count: one, two,", g)["text"]
+    assert final["segments"][0]["text"] == step_by_step
+
+
+@pytest.mark.parametrize("steps, message", [
+    ([], "non-empty list"),
+    ([{"text": "a", "gen": {}, "choices": ["x"]}], "chain step 0: set exactly one of gen"),
+    ([{"text": "a", "gen": {"max_new_tokens": 2}}, {"text": "b", "gen": {"temperature": -1}}],
+     "chain step 1: invalid sampling parameter temperature"),
+    ([{"text": "a", "choices": ["x", "y"], "token_ids": [1], "method": token_length_normalized}],
+     "chain step 0: token_ids"),
+    ([{"text": "a", "choices": ["x"], "method": unconditional_likelihood_normalized}], "chain step 0: method"),
+    ([{"text": "a", "choices": []}], "chain step 0: choices"),
+    ([{"text": "", "gen": {}}], "chain step 0: its text is the prompt"),
+    ([{"text": "a", "gen": {}, "speed": 3}], "unknown field(s): ['speed']"),
+    (["a"], "chain step 0: must be a ChainStep"),
+])
+def test_malformed_chain_is_refused_naming_the_step(engine, steps, message):
+    with pytest.raises(RequestError, match=re.escape(message)):
+        engine.submit_chain(steps).result()
+
+
+def test_aborted_chain_gives_up_its_kv(engine):
+    first = threading.Event()
+    steps = [{"text": "Once upon a time", "gen": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}},
+             {"text": " and then", "gen": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}]
+    fut = engine.submit_chain(steps, on_segment=lambda seg: first.set())
+    assert first.wait(120)
+    engine.abort(fut.rid)
+    out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert [s["index"] for s in out["segments"]] == [0]
+    assert engine.load()["request_owned_slots"] == 0  # (the engine checks slot accounting after every step)
