@@ -49,7 +49,11 @@ def transformers_model(cfg, dev: torch.device, dtype: torch.dtype, seed: int = 0
 
     torch.manual_seed(seed)
     with torch.device(dev):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    if model.model.rotary_emb.inv_freq.dtype != torch.float32:  # another transformers version may build it otherwise
+        raise RuntimeError(f"transformers built its RoPE frequencies in {model.model.rotary_emb.inv_freq.dtype}, "
+                           "not float32: the fp32 reference would not be one")
+    return model
 
 
 def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str, graph_bs: int):
