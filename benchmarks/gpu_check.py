@@ -38,18 +38,39 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str, graph_bs: int):
-    from transformers import LlamaForCausalLM
+def transformers_model(cfg, dev: torch.device, dtype: torch.dtype, seed: int = 0):
+    """transformers' LlamaForCausalLM with its own seeded initialisation, built in `dtype` the way from_pretrained
+    builds it: weights in `dtype`, the RoPE inverse frequencies (a non-persistent buffer) in fp32. Not
+    `LlamaForCausalLM(cfg).to(dtype)`: `.to` rounds that buffer to bf16 too (0.8660 -> 0.8672), which moves every
+    rotary angle by up to 2^-9 of itself, and `copy.deepcopy(model).float()`, the fp32 reference, keeps the rounded
+    frequencies. lmc's RoPE (exact fp32 frequencies, as from_pretrained's) then looked twice as far from "fp32"
+    as transformers' bf16 on the H200 (0.158 against 0.076), the whole gap being the two models' rotary angles."""
+    from transformers import AutoModelForCausalLM
 
-    cfg = resolve(f"dummy:{shape}").hf_config
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(dev):
-        hf = LlamaForCausalLM(cfg)  # transformers' own initialisation
-    hf = hf.to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    if model.model.rotary_emb.inv_freq.dtype != torch.float32:  # another transformers version may build it otherwise
+        raise RuntimeError(f"transformers built its RoPE frequencies in {model.model.rotary_emb.inv_freq.dtype}, "
+                           "not float32: the fp32 reference would not be one")
+    return model
+
+
+def build(shape: str, dev: torch.device, dtype: torch.dtype, kv_tokens: int, attention: str, graph_bs: int):
+    cfg = resolve(f"dummy:{shape}").hf_config
+    hf = transformers_model(cfg, dev, dtype)
     eng = Engine(f"dummy:{shape}", device=str(dev), dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
                  weights=lambda: hf.state_dict().items(), max_total_tokens=kv_tokens, attention_backend=attention,
                  cuda_graph_max_bs=graph_bs)
     return cfg, hf, eng
+
+
+@torch.inference_mode()
+def hf_logits(model, seqs, lens, steps, dev):
+    """transformers' logits for the same teacher-forced positions as lmc_logits: one forward per whole sequence."""
+    per_prompt = [model(torch.tensor([s[:k + steps - 1]], device=dev)).logits[0, k - 1:].float()
+                  for s, k in zip(seqs, lens)]
+    return [torch.stack([p[t] for p in per_prompt]) for t in range(steps)]
 
 
 @torch.inference_mode()
@@ -97,12 +118,7 @@ def check_logits(hf, eng, vocab, dev, n_prompts=8, steps=16):
     lens = [int(x) for x in torch.randint(16, 96, (n_prompts,), generator=g)]
     seqs = [torch.randint(3, vocab, (k + steps,), generator=g).tolist() for k in lens]
 
-    def hf_logits(model):
-        per_prompt = [model(torch.tensor([s[:k + steps - 1]], device=dev)).logits[0, k - 1:].float()
-                      for s, k in zip(seqs, lens)]
-        return [torch.stack([p[t] for p in per_prompt]) for t in range(steps)]
-
-    ref = hf_logits(hf)
+    ref = hf_logits(hf, seqs, lens, steps, dev)
     res = {"lmc_vs_hf": rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)}
     if dev.type == "cuda":
         own, graphs = eng.runner.attn, eng.runner.graphs
@@ -112,7 +128,7 @@ def check_logits(hf, eng, vocab, dev, n_prompts=8, steps=16):
         res["lmc_torch_attention_vs_hf"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref)
         eng.runner.attn, eng.runner.graphs = own, graphs
         hf32 = copy.deepcopy(hf).float()
-        ref32 = hf_logits(hf32)
+        ref32 = hf_logits(hf32, seqs, lens, steps, dev)
         del hf32
         res["lmc_vs_hf_fp32"] = rel_err(lmc_logits(eng, seqs, lens, steps, dev), ref32)
         res["hf_vs_hf_fp32"] = rel_err(ref, ref32)

@@ -213,6 +213,12 @@ def render_h200_fp32(r: dict, _dir: Path) -> str:
                       "run is `results/h200_kernel_tests.txt`."]) + "\n"
 
 
+@section("gpu_logits_*.json")
+def render_gpu_logits(r: dict, _dir: Path) -> str:
+    return "\n".join([f"### Correctness in {r['dtype'].removeprefix('torch.')} ({r['device']}, `{r['shape']}`)\n",
+                      command(r), "", _logits(r), "", r.get("note_after_run", "")]) + "\n"
+
+
 def _target(v: float | None, got: float, at_most: bool = True, unit: str = "", digits: int = 2) -> str:
     """Issue 13's target for a figure, and whether the median meets it."""
     if v is None:
