@@ -16,7 +16,7 @@ calls by purpose for API systems (what constrained-op lowering costs in extra ca
 run, the Figure-8 ablation: the share of requests whose cached prefix is ignored, against throughput.
 
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
-    python benchmarks/suite/run.py --peer vllm                             # the recorded run: all systems, 3 runs
+    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, 3 runs
     python benchmarks/suite/run.py --size small --programs mmlu=12,rag=8 --runs 1 --no-ablation  # sizing probes
 
 Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
@@ -230,6 +230,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--vllm-url", default=None, help="use a vLLM server already running at this base URL (its "
                                                      "owner stops it) instead of starting one")
+    ap.add_argument("--peer-log", default=None, metavar="PATH",
+                    help="the log of the vLLM server attached through LMC_PEER_URL or --vllm-url, from which the "
+                         "JSON records its CPU thread binding (a server this run starts logs to its own file)")
     ap.add_argument("--start-at", default=None, metavar="HH:MM",
                     help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
@@ -271,6 +274,7 @@ def main(argv=None) -> dict:
                                    "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
                           for w in workloads},
             "vllm_start_s": peer_server.start_seconds if peer_server is not None else None,
+            "vllm_cpu_binding": _peer_binding(peer_server, args.peer_log),
             "sizes_note": SIZES_NOTES.get(size),
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -356,6 +360,23 @@ def _programs(spec: str) -> dict[str, int]:
             raise SystemExit(f"--programs: expected WORKLOAD=N with a workload of {', '.join(BUILDERS)}, got {item!r}")
         out[name] = int(n)
     return out
+
+
+def _peer_binding(peer_server, log_path: str | None) -> dict | str | None:
+    """Which cores vLLM's compute threads ran on (peer.cpu_binding), from the log of the server this run started
+    or the one named by --peer-log; a sentence when no log says it."""
+    if peer_server is None:
+        return None
+    from peer import cpu_binding
+
+    log_path = log_path or (peer_server.log_path if peer_server.proc is not None else None)
+    found = cpu_binding(log_path) if log_path else None
+    if found is None:
+        return f"unknown: no vLLM binding block in {log_path}" if log_path else "unknown: pass --peer-log"
+    if len(found["compute_cores"] or ()) < (os.cpu_count() or 1):
+        found["note"] = (f"vLLM's compute threads ran on cores {found['compute_cores']} of {os.cpu_count()}; "
+                         f"cores {found['reserved_cores']} were reserved for its scheduler process")
+    return found
 
 
 def _device_name() -> str:
