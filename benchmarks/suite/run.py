@@ -16,7 +16,7 @@ calls by purpose for API systems (what constrained-op lowering costs in extra ca
 run, the Figure-8 ablation: the share of requests whose cached prefix is ignored, against throughput.
 
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
-    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, 3 runs
+    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, up to 3 runs in 14 minutes
     python benchmarks/suite/run.py --size small --programs mmlu=12,rag=8 --runs 1 --no-ablation  # sizing probes
 
 Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
@@ -52,17 +52,13 @@ from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
 SIZES_NOTES = {
     "quick": "the quick sizes: one or two programs per workload (a smoke run, not a throughput figure)",
-    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): the batch per workload was sized from each "
-                 "workload's per-program cost summed over lmc, lmc-interpreted, lmc-nocache-fcfs and vllm, measured "
-                 "on this shared 2-core machine, so that 3 runs x 4 systems x 11 workloads with their latency "
-                 "passes, the ablation and vLLM's start fit in about 45 minutes. The radix-cache-off baseline "
-                 "recomputes every shared prefix and vLLM scores selects by echo (prompt logprobs, no cache), so "
-                 "the prefix-heavy workloads get few programs. On 2026-12-01 the machine ran at load 12-47 "
-                 "(other engineers' tests and benchmarks) and ran 2-4x slower than those costs; two tries at larger "
-                 "batches (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4; then 6/3/16/6) were stopped after "
-                 "mmlu, the second when the kernel killed vLLM's worker for memory. These sizes are what fit 3 runs "
-                 "before the deadline: a step above --quick for the cheap workloads, not a large batch; a quieter "
-                 "machine should raise them with --programs"),
+    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): one command with every system must end within "
+                 "15 minutes (--budget-min 14: a run starts only if one as long as the longest so far still fits). "
+                 "On this shared 2-core machine at load 10-14 one run of all 11 workloads at one program each was "
+                 "estimated at about 12 minutes (workloads.SIZES) (the radix-cache-off baseline recomputes every shared prefix, vLLM scores selects "
+                 "by echo without its cache, the chats decode at batch 1), so the cheap workloads get a few programs "
+                 "and the rest one: not a large batch, and fewer than 3 runs where the budget says so (stopped_short); "
+                 "a quieter machine should raise them with --programs"),
 }
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
@@ -191,22 +187,28 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
     return {n: out[n] for n in names}
 
 
-def ablation(system: System, w: Workload, runs: int) -> dict:
-    """The paper's Figure 8 on one workload: ignore the cached prefix of a share of requests, measure both."""
+def ablation(system: System, w: Workload, runs: int, deadline: float | None = None) -> tuple[dict, int]:
+    """The paper's Figure 8 on one workload: ignore the cached prefix of a share of requests, measure both. With a
+    deadline (time.time()), a repetition starts only if one as long as the longest so far still ends before it.
+    Returns the figures per rate and the repetitions run."""
     sched_cfg = system.engine.scheduler.cfg
-    rows = {}
+    rows, rep_seconds = {}, []
     try:
         for rep in range(runs):
+            if rep_seconds and deadline is not None and time.time() + max(rep_seconds) > deadline:
+                break
+            t0 = time.time()
             for rate in ABLATION_RATES if rep % 2 == 0 else ABLATION_RATES[::-1]:
                 sched_cfg.match_drop_rate = rate
                 seconds, states, fig = run_throughput(system, w)
                 r = rows.setdefault(str(rate), {"programs_per_s": [], "hit_rate": []})
                 r["programs_per_s"].append(len(w.calls) / seconds)
                 r["hit_rate"].append(fig.hit_rate)
+            rep_seconds.append(time.time() - t0)
     finally:
         sched_cfg.match_drop_rate = 0.0
-    return {rate: {**spread(r["programs_per_s"], "programs_per_s"), **spread(r["hit_rate"], "hit_rate")}
-            for rate, r in rows.items()}
+    return ({rate: {**spread(r["programs_per_s"], "programs_per_s"), **spread(r["hit_rate"], "hit_rate")}
+             for rate, r in rows.items()}, len(rep_seconds))
 
 
 def main(argv=None) -> dict:
@@ -233,6 +235,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer-log", default=None, metavar="PATH",
                     help="the log of the vLLM server attached through LMC_PEER_URL or --vllm-url, from which the "
                          "JSON records its CPU thread binding (a server this run starts logs to its own file)")
+    ap.add_argument("--budget-min", type=float, default=None,
+                    help="wall-clock budget of the whole command in minutes (default 14 without --quick, none with "
+                         "it; 0: none): a run, or an ablation repetition, starts only if one as long as the longest "
+                         "so far still ends within it, so a slow shared machine records fewer runs, not a late one "
+                         "(the JSON says how many ran and why it stopped)")
     ap.add_argument("--start-at", default=None, metavar="HH:MM",
                     help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
@@ -243,6 +250,8 @@ def main(argv=None) -> dict:
     if "lmc" not in names:
         names.insert(0, "lmc")  # the reference for output equality and normalisation
     size = args.size or ("quick" if args.quick else "recorded")
+    budget_min = args.budget_min if args.budget_min is not None else (None if args.quick else 14.0)
+    deadline = None  # set when measuring starts: the command's start plus the budget
     overrides = _programs(args.programs)
     workloads = [build(n, size, overrides.get(n)) for n in args.workloads.split(",")]
     out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
@@ -250,9 +259,12 @@ def main(argv=None) -> dict:
     peer_server = None
     device = _device_name()
     started = time.time()
+    if budget_min:
+        deadline = started + budget_min * 60
     load_before = os.getloadavg()  # again once measuring starts
     loads: list = []
     results: dict = {}
+    stopped: list[str] = []  # why the runs or the ablation stopped short of what was asked
 
     def write(partial: bool) -> None:
         """The JSON after every run, so that an interrupted recording keeps the runs it finished."""
@@ -276,6 +288,7 @@ def main(argv=None) -> dict:
             "vllm_start_s": peer_server.start_seconds if peer_server is not None else None,
             "vllm_cpu_binding": _peer_binding(peer_server, args.peer_log),
             "sizes_note": SIZES_NOTES.get(size),
+            "budget_s": budget_min * 60 if budget_min else None, "stopped_short": stopped,
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -289,7 +302,8 @@ def main(argv=None) -> dict:
             peer_server.base_url = args.vllm_url.rstrip("/")  # attached: proc stays None, stop() leaves it running
         else:
             peer_server.start()
-            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
+            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}"
+                  if peer_server.proc is not None else f"vLLM-CPU attached at {peer_server.base_url}", flush=True)
     try:
         systems = make_systems(names, args.model, peer_server)
         for sysm in systems.values():
@@ -303,7 +317,14 @@ def main(argv=None) -> dict:
                 time.sleep((at - now).total_seconds())
         load_before = os.getloadavg()
         raw = {w.name: {s: [] for s in names} for w in workloads}
+        run_seconds: list[float] = []
         for rep in range(runs):
+            if run_seconds and deadline is not None and time.time() + max(run_seconds) > deadline:
+                stopped.append(f"runs: {rep} of {runs}; run {rep + 1} would have ended past the {budget_min:g}-minute "
+                               f"budget (the longest run took {max(run_seconds):.0f} s)")
+                print(stopped[-1], flush=True)
+                break
+            run_started = time.time()
             for w in workloads:
                 order = names[rep % len(names):] + names[:rep % len(names)]  # alternate who goes first
                 per_rep = {}
@@ -331,13 +352,23 @@ def main(argv=None) -> dict:
                           f"latency {latency:6.2f} s  hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
                           f"  equal {raw[w.name][sname][-1]['equal_outputs_vs_lmc']:.0%}", flush=True)
             loads.append(os.getloadavg())
+            run_seconds.append(time.time() - run_started)
             results.update(summarize(raw, workloads, names))
             write(partial=True)
         if not args.no_ablation and any(w.name == "tree_of_thought" for w in workloads):
             tot = next(w for w in workloads if w.name == "tree_of_thought")
-            results["_ablation"] = {"workload": "tree_of_thought", "system": "lmc",
-                                    "knob": "SchedulerConfig.match_drop_rate: share of requests whose cached "
-                                            "prefix is ignored", "rates": ablation(systems["lmc"], tot, runs)}
+            # one repetition: each rate once, about as long as lmc's throughput pass plus twice that without cache
+            first = 3 * max(r["seconds"] for r in raw[tot.name]["lmc"])
+            if deadline is not None and time.time() + first > deadline:
+                stopped.append(f"ablation: skipped, one repetition (~{first:.0f} s) would have ended past the budget")
+                print(stopped[-1], flush=True)
+            else:
+                rates, reps = ablation(systems["lmc"], tot, len(loads), deadline)
+                if reps < len(loads):
+                    stopped.append(f"ablation: {reps} of {len(loads)} repetitions within the budget")
+                results["_ablation"] = {"workload": "tree_of_thought", "system": "lmc",
+                                        "knob": "SchedulerConfig.match_drop_rate: share of requests whose cached "
+                                                "prefix is ignored", "repetitions": reps, "rates": rates}
     finally:
         if peer_server is not None:
             peer_server.stop()
