@@ -32,7 +32,7 @@ def test_select_choices_are_scored_in_one_forward(engine):
     engine.generate(PROMPT, {"max_new_tokens": 0})
     start = len(engine.tokenizer.encode(PROMPT)) - 2
     before = engine.stats()["prefill_forwards"]
-    outs = engine.generate([PROMPT + c for c in (" the Seine", " the Thames", " the Danube")], {"max_new_tokens": 0},
+    outs = engine.generate([PROMPT + c for c in (" the river Seine", " the river Thames", " the river Danube")], {"max_new_tokens": 0},
                            return_logprob=True, logprob_start_len=start)
     assert engine.stats()["prefill_forwards"] - before == 1
     assert all(o["meta_info"]["cached_tokens"] >= start - 1 for o in outs)
