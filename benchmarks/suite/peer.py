@@ -140,11 +140,11 @@ def cpu_binding(log_path: str) -> dict | None:
     found = {k: re.findall(pat, text) for k, pat in fields.items()}
     if not found["bind"]:
         return None
-    cores = lambda v: [int(c) for c in v.split(",") if c.strip()]  # noqa: E731
-    return {"VLLM_CPU_OMP_THREADS_BIND": found["bind"][-1],  # the last start in the log is the running one
-            "compute_cores": cores(found["compute_cores"][-1]) if found["compute_cores"] else None,
-            "reserved_cores": cores(found["reserved_cores"][-1]) if found["reserved_cores"] else None,
-            "log": str(log_path)}
+    def last_cores(key: str) -> list[int] | None:  # the last start in the log is the running one
+        return [int(c) for c in found[key][-1].split(",") if c.strip()] if found[key] else None
+
+    return {"VLLM_CPU_OMP_THREADS_BIND": found["bind"][-1], "compute_cores": last_cores("compute_cores"),
+            "reserved_cores": last_cores("reserved_cores"), "log": str(log_path)}
 
 
 def _group_alive(pgid: int) -> bool:
