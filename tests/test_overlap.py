@@ -188,3 +188,12 @@ def test_a_fault_surfacing_at_collect_fails_only_the_blamed_request(overlapped, 
                                                                      lambda r, sb: r.input_ids == ids))
         overlapped.submit(input_ids=ids, sampling_params=params).result(timeout=120)
     monkeypatch.undo()
+
+
+def test_fork_branches_wait_for_the_commit_in_flight(overlapped):
+    """With overlap the branches deferred behind their commit are scheduled while the commit's forward is still in
+    flight, before its KV enters the tree: they wait for it too (scheduler/prefill.in_flight_prefixes)."""
+    from test_in_batch_sharing import fork_branches
+
+    cached, _, n_prompt = fork_branches(overlapped)
+    assert all(c >= n_prompt for c in cached[1:]), (cached, n_prompt)

@@ -101,3 +101,19 @@ def test_quick_run_of_one_workload(tmp_path):
     md = render(results, tmp_path)
     assert "| generative_agents |" in md and "achieved / optimal" in md
     assert (tmp_path / "suite_throughput.png").stat().st_size > 0 and "suite_throughput.png" in md
+
+
+def test_peer_cpu_binding_is_read_from_the_vllm_log(tmp_path):
+    from peer import cpu_binding
+
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) INFO [ompmultiprocessing.py:185] OpenMP thread binding info: \n"
+                   "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tVLLM_CPU_OMP_THREADS_BIND='auto', "
+                   "auto_setup=True, skip_setup=False\n"
+                   "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0]\n"
+                   "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \treserved_cpus=[1]\n")
+    assert cpu_binding(str(log)) == {"VLLM_CPU_OMP_THREADS_BIND": "auto", "compute_cores": [0],
+                                     "reserved_cores": [1], "log": str(log)}
+    log.write_text("no binding block here\n")
+    assert cpu_binding(str(log)) is None
+    assert cpu_binding(str(tmp_path / "missing.log")) is None

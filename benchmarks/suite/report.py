@@ -177,6 +177,15 @@ def render(results: dict, results_dir) -> str:
     if meta.get("partial") or (meta.get("runs_asked") and meta.get("runs") != meta.get("runs_asked")):
         out += [f"**Partial recording: {meta.get('runs')} of {meta.get('runs_asked')} runs finished**; with one run "
                 "there is no spread, and these figures are not yet medians.", ""]
+    if meta.get("stopped_short"):
+        out += ["Stopped short by the wall-clock budget: " + "; ".join(meta["stopped_short"]) + ".", ""]
+    b = meta.get("vllm_cpu_binding")
+    if isinstance(b, dict):
+        out += [f"vLLM-CPU's thread binding (from its log): VLLM_CPU_OMP_THREADS_BIND={b['VLLM_CPU_OMP_THREADS_BIND']}, "
+                f"compute threads on cores {b['compute_cores']}, cores {b['reserved_cores']} reserved for its "
+                "scheduler process.", ""]
+    elif b:
+        out += [f"vLLM-CPU's thread binding: {b}.", ""]
     if meta.get("quick"):
         out += ["Batch sizes: `--quick` (one or two programs per workload, short outputs), the sizes this shared "
                 "machine could run for every system.", ""]

@@ -16,7 +16,7 @@ calls by purpose for API systems (what constrained-op lowering costs in extra ca
 run, the Figure-8 ablation: the share of requests whose cached prefix is ignored, against throughput.
 
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
-    python benchmarks/suite/run.py --peer vllm                             # the recorded run: all systems, 3 runs
+    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, up to 3 runs in 14 minutes
     python benchmarks/suite/run.py --size small --programs mmlu=12,rag=8 --runs 1 --no-ablation  # sizing probes
 
 Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
@@ -52,17 +52,13 @@ from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
 SIZES_NOTES = {
     "quick": "the quick sizes: one or two programs per workload (a smoke run, not a throughput figure)",
-    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): the batch per workload was sized from each "
-                 "workload's per-program cost summed over lmc, lmc-interpreted, lmc-nocache-fcfs and vllm, measured "
-                 "on this shared 2-core machine, so that 3 runs x 4 systems x 11 workloads with their latency "
-                 "passes, the ablation and vLLM's start fit in about 45 minutes. The radix-cache-off baseline "
-                 "recomputes every shared prefix and vLLM scores selects by echo (prompt logprobs, no cache), so "
-                 "the prefix-heavy workloads get few programs. On 2026-12-01 the machine ran at load 12-47 "
-                 "(other engineers' tests and benchmarks) and ran 2-4x slower than those costs; two tries at larger "
-                 "batches (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4; then 6/3/16/6) were stopped after "
-                 "mmlu, the second when the kernel killed vLLM's worker for memory. These sizes are what fit 3 runs "
-                 "before the deadline: a step above --quick for the cheap workloads, not a large batch; a quieter "
-                 "machine should raise them with --programs"),
+    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): one command with every system must end within "
+                 "15 minutes (--budget-min 14: a run starts only if one as long as the longest so far still fits). "
+                 "On this shared 2-core machine at load 10-14 one run of all 11 workloads at one program each was "
+                 "estimated at about 12 minutes (workloads.SIZES) (the radix-cache-off baseline recomputes every shared prefix, vLLM scores selects "
+                 "by echo without its cache, the chats decode at batch 1), so the cheap workloads get a few programs "
+                 "and the rest one: not a large batch, and fewer than 3 runs where the budget says so (stopped_short); "
+                 "a quieter machine should raise them with --programs"),
 }
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
@@ -191,22 +187,28 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
     return {n: out[n] for n in names}
 
 
-def ablation(system: System, w: Workload, runs: int) -> dict:
-    """The paper's Figure 8 on one workload: ignore the cached prefix of a share of requests, measure both."""
+def ablation(system: System, w: Workload, runs: int, deadline: float | None = None) -> tuple[dict, int]:
+    """The paper's Figure 8 on one workload: ignore the cached prefix of a share of requests, measure both. With a
+    deadline (time.time()), a repetition starts only if one as long as the longest so far still ends before it.
+    Returns the figures per rate and the repetitions run."""
     sched_cfg = system.engine.scheduler.cfg
-    rows = {}
+    rows, rep_seconds = {}, []
     try:
         for rep in range(runs):
+            if rep_seconds and deadline is not None and time.time() + max(rep_seconds) > deadline:
+                break
+            t0 = time.time()
             for rate in ABLATION_RATES if rep % 2 == 0 else ABLATION_RATES[::-1]:
                 sched_cfg.match_drop_rate = rate
                 seconds, states, fig = run_throughput(system, w)
                 r = rows.setdefault(str(rate), {"programs_per_s": [], "hit_rate": []})
                 r["programs_per_s"].append(len(w.calls) / seconds)
                 r["hit_rate"].append(fig.hit_rate)
+            rep_seconds.append(time.time() - t0)
     finally:
         sched_cfg.match_drop_rate = 0.0
-    return {rate: {**spread(r["programs_per_s"], "programs_per_s"), **spread(r["hit_rate"], "hit_rate")}
-            for rate, r in rows.items()}
+    return ({rate: {**spread(r["programs_per_s"], "programs_per_s"), **spread(r["hit_rate"], "hit_rate")}
+             for rate, r in rows.items()}, len(rep_seconds))
 
 
 def main(argv=None) -> dict:
@@ -230,6 +232,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--vllm-url", default=None, help="use a vLLM server already running at this base URL (its "
                                                      "owner stops it) instead of starting one")
+    ap.add_argument("--peer-log", default=None, metavar="PATH",
+                    help="the log of the vLLM server attached through LMC_PEER_URL or --vllm-url, from which the "
+                         "JSON records its CPU thread binding (a server this run starts logs to its own file)")
+    ap.add_argument("--budget-min", type=float, default=None,
+                    help="wall-clock budget of the whole command in minutes (default 14 without --quick, none with "
+                         "it; 0: none): a run, or an ablation repetition, starts only if one as long as the longest "
+                         "so far still ends within it, so a slow shared machine records fewer runs, not a late one "
+                         "(the JSON says how many ran and why it stopped)")
     ap.add_argument("--start-at", default=None, metavar="HH:MM",
                     help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
@@ -240,6 +250,8 @@ def main(argv=None) -> dict:
     if "lmc" not in names:
         names.insert(0, "lmc")  # the reference for output equality and normalisation
     size = args.size or ("quick" if args.quick else "recorded")
+    budget_min = args.budget_min if args.budget_min is not None else (None if args.quick else 14.0)
+    deadline = None  # set when measuring starts: the command's start plus the budget
     overrides = _programs(args.programs)
     workloads = [build(n, size, overrides.get(n)) for n in args.workloads.split(",")]
     out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
@@ -247,9 +259,12 @@ def main(argv=None) -> dict:
     peer_server = None
     device = _device_name()
     started = time.time()
+    if budget_min:
+        deadline = started + budget_min * 60
     load_before = os.getloadavg()  # again once measuring starts
     loads: list = []
     results: dict = {}
+    stopped: list[str] = []  # why the runs or the ablation stopped short of what was asked
 
     def write(partial: bool) -> None:
         """The JSON after every run, so that an interrupted recording keeps the runs it finished."""
@@ -271,7 +286,9 @@ def main(argv=None) -> dict:
                                    "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
                           for w in workloads},
             "vllm_start_s": peer_server.start_seconds if peer_server is not None else None,
+            "vllm_cpu_binding": _peer_binding(peer_server, args.peer_log),
             "sizes_note": SIZES_NOTES.get(size),
+            "budget_s": budget_min * 60 if budget_min else None, "stopped_short": stopped,
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -285,7 +302,8 @@ def main(argv=None) -> dict:
             peer_server.base_url = args.vllm_url.rstrip("/")  # attached: proc stays None, stop() leaves it running
         else:
             peer_server.start()
-            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}", flush=True)
+            print(f"vLLM-CPU up in {peer_server.start_seconds:.0f} s at {peer_server.base_url}"
+                  if peer_server.proc is not None else f"vLLM-CPU attached at {peer_server.base_url}", flush=True)
     try:
         systems = make_systems(names, args.model, peer_server)
         for sysm in systems.values():
@@ -299,8 +317,22 @@ def main(argv=None) -> dict:
                 time.sleep((at - now).total_seconds())
         load_before = os.getloadavg()
         raw = {w.name: {s: [] for s in names} for w in workloads}
+        run_seconds: list[float] = []
         for rep in range(runs):
+            if run_seconds and deadline is not None and time.time() + max(run_seconds) > deadline:
+                stopped.append(f"runs: {rep} of {runs}; run {rep + 1} would have ended past the {budget_min:g}-minute "
+                               f"budget (the longest run took {max(run_seconds):.0f} s)")
+                print(stopped[-1], flush=True)
+                break
+            run_started, out_of_time = time.time(), False
             for w in workloads:
+                if deadline is not None and time.time() > deadline:  # a run longer than the ones before it
+                    left = [x.name for x in workloads if len(raw[x.name]["lmc"]) == rep]
+                    stopped.append(f"run {rep + 1} reached the budget before {', '.join(left)}: "
+                                   f"{'no figures' if rep == 0 else f'{rep} run(s)'} for those")
+                    print(stopped[-1], flush=True)
+                    out_of_time = True
+                    break
                 order = names[rep % len(names):] + names[:rep % len(names)]  # alternate who goes first
                 per_rep = {}
                 for sname in order:
@@ -327,13 +359,25 @@ def main(argv=None) -> dict:
                           f"latency {latency:6.2f} s  hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
                           f"  equal {raw[w.name][sname][-1]['equal_outputs_vs_lmc']:.0%}", flush=True)
             loads.append(os.getloadavg())
+            run_seconds.append(time.time() - run_started)
             results.update(summarize(raw, workloads, names))
             write(partial=True)
-        if not args.no_ablation and any(w.name == "tree_of_thought" for w in workloads):
+            if out_of_time:
+                break
+        if not args.no_ablation and raw.get("tree_of_thought", {}).get("lmc"):
             tot = next(w for w in workloads if w.name == "tree_of_thought")
-            results["_ablation"] = {"workload": "tree_of_thought", "system": "lmc",
-                                    "knob": "SchedulerConfig.match_drop_rate: share of requests whose cached "
-                                            "prefix is ignored", "rates": ablation(systems["lmc"], tot, runs)}
+            # one repetition: each rate once, about as long as lmc's throughput pass plus twice that without cache
+            first = 3 * max(r["seconds"] for r in raw[tot.name]["lmc"])
+            if deadline is not None and time.time() + first > deadline:
+                stopped.append(f"ablation: skipped, one repetition (~{first:.0f} s) would have ended past the budget")
+                print(stopped[-1], flush=True)
+            else:
+                rates, reps = ablation(systems["lmc"], tot, len(loads), deadline)
+                if reps < len(loads):
+                    stopped.append(f"ablation: {reps} of {len(loads)} repetitions within the budget")
+                results["_ablation"] = {"workload": "tree_of_thought", "system": "lmc",
+                                        "knob": "SchedulerConfig.match_drop_rate: share of requests whose cached "
+                                                "prefix is ignored", "repetitions": reps, "rates": rates}
     finally:
         if peer_server is not None:
             peer_server.stop()
@@ -358,6 +402,23 @@ def _programs(spec: str) -> dict[str, int]:
     return out
 
 
+def _peer_binding(peer_server, log_path: str | None) -> dict | str | None:
+    """Which cores vLLM's compute threads ran on (peer.cpu_binding), from the log of the server this run started
+    or the one named by --peer-log; a sentence when no log says it."""
+    if peer_server is None:
+        return None
+    from peer import cpu_binding
+
+    log_path = log_path or (peer_server.log_path if peer_server.proc is not None else None)
+    found = cpu_binding(log_path) if log_path else None
+    if found is None:
+        return f"unknown: no vLLM binding block in {log_path}" if log_path else "unknown: pass --peer-log"
+    if len(found["compute_cores"] or ()) < (os.cpu_count() or 1):
+        found["note"] = (f"vLLM's compute threads ran on cores {found['compute_cores']} of {os.cpu_count()}; "
+                         f"cores {found['reserved_cores']} were reserved for its scheduler process")
+    return found
+
+
 def _device_name() -> str:
     import torch
 
@@ -365,8 +426,11 @@ def _device_name() -> str:
 
 
 def summarize(raw: dict, workloads: list[Workload], names: list[str]) -> dict:
+    """Figures per workload and system over the runs; a workload with no run (cut by the budget) is left out."""
     results = {}
     for w in workloads:
+        if not raw[w.name][names[0]]:
+            continue
         results[w.name] = {}
         for sname in names:
             rs = raw[w.name][sname]

@@ -4,8 +4,8 @@ Each workload is a batch of program calls plus a statement of its sharing struct
 programs have in common. Shapes follow SGLang's benchmark/ programs; output lengths are cut to what two CPU cores
 run in minutes. Each builder takes the batch size `n` (programs); SIZES names three sets of them: "quick" (one or
 two programs, for CI), "small" (the batches of the first recordings, a few programs) and "recorded" (the CPU
-run: batches sized so that 3 runs x 4 systems x 11 workloads take about 45 minutes on two cores; run.py's
---programs overrides single workloads).
+run: batches sized for a 15-minute command with every system on two shared cores, see SIZES; run.py's --programs
+overrides single workloads).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Workload:
     name: str
     sharing: str
     calls: list[tuple[lmc.Program, dict]]
-    latency_calls: int = 2
+    latency_calls: int = 1
     uses: list[str] = field(default_factory=list)  # the DSL features it exercises
 
     def __post_init__(self):
@@ -176,7 +176,7 @@ def agents(n: int) -> Workload:
     calls = [(AGENT_FUNCS[c["func"]], c["args"]) for c in data("agents")["calls"][:n]]
     return Workload("generative_agents", "5 functions, each call of one function shares its few-shot prompt; all "
                                          "five share the world description (~120 tokens); recorded calls replayed",
-                    calls, latency_calls=2, uses=["5 programs in one batch", "stop strings"])
+                    calls, uses=["5 programs in one batch", "stop strings"])
 
 
 # ---- tree of thought on GSM8K-style problems ---------------------------------------------------------------------
@@ -364,13 +364,15 @@ BUILDERS = {
     "json_decode": json_workload, "multi_turn_chat_short": lambda n: chat(n, long=False),
     "multi_turn_chat_long": lambda n: chat(n, long=True), "rag": rag,
 }
-# Programs per workload in each named size. "recorded" is the recorded CPU run. It was to be sized from each
-# workload's per-program cost summed over the 4 systems (measured at the quick sizes: mmlu ~10 s, hellaswag ~28 s,
-# react ~28 s, agents ~2 s, ToT/SoT ~18 s, judge/json/short chat ~13-15 s, long chat ~34 s, rag ~7 s) so that 3
-# runs fit in ~45 minutes (mmlu 8, hellaswag 4, agents 24, rag 8, the rest 2-4). On 2026-12-01 the shared machine
-# ran at load 12-47 and ran those costs 2-4x slower; a vLLM worker was killed for memory. Two tries were stopped
-# after mmlu; these sizes are what fit 3 runs before the deadline, a step above "quick" for the cheap workloads.
-# The data files hold more items (hellaswag 64, mmlu 4 x 24, agents 48, the rest 16-32): raise with --programs.
+# Programs per workload in each named size. "recorded" is the recorded CPU run, which must end within 15 minutes
+# with every system (run.py --budget-min). Per program, all four systems and the latency pass summed, on 2026-12-01
+# at load 10-14 (other engineers' engines, servers and tests on the 2 cores): mmlu ~19 s, hellaswag ~73 s, react
+# ~58 s measured in a probe; the rest estimated at 15-110 s (the long chat ~210 s: 4 growing turns at batch 1) from
+# the earlier recording, scaled by the 2.5x slowdown those three showed. The radix-cache-off baseline costs 4-10x
+# lmc on the prefix-heavy ones and vLLM scores selects by echo without its cache. One run of all 11 workloads at one
+# program each is then an estimated ~12 minutes: these sizes give the cheap workloads a few programs and the
+# rest one, and the budget decides how many of the 3 runs fit. The data files hold more items (hellaswag 64, mmlu
+# 4 x 24, agents 48, the rest 16-32): a quieter machine should raise them with --programs.
 SIZES = {
     "quick": {"mmlu": 2, "hellaswag": 2, "react": 1, "generative_agents": 5, "tree_of_thought": 1,
               "skeleton_of_thought": 1, "llm_judge": 1, "json_decode": 1, "multi_turn_chat_short": 1,
@@ -378,9 +380,9 @@ SIZES = {
     "small": {"mmlu": 6, "hellaswag": 4, "react": 2, "generative_agents": 10, "tree_of_thought": 2,
               "skeleton_of_thought": 2, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
               "multi_turn_chat_long": 1, "rag": 3},
-    "recorded": {"mmlu": 4, "hellaswag": 2, "react": 1, "generative_agents": 10, "tree_of_thought": 2,
-                 "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
-                 "multi_turn_chat_long": 1, "rag": 4},
+    "recorded": {"mmlu": 4, "hellaswag": 1, "react": 1, "generative_agents": 12, "tree_of_thought": 2,
+                 "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 1, "multi_turn_chat_short": 1,
+                 "multi_turn_chat_long": 1, "rag": 6},
 }
 
 

@@ -52,9 +52,11 @@ class Local:
 
     async def select(self, text: str, choices: list[str], temperature: float,
                      method: ChoicesSamplingMethod) -> ChoicesDecision:
-        """Score every choice in one batched prefill that shares the prompt's cached prefix. Scoring starts two
+        """Score every choice in one batched call that shares the prompt's cached prefix. Scoring starts two
         tokens before the prompt's end (SGLang's token-healing window), since the prompt's last token may merge
-        with a choice's first one."""
+        with a choice's first one. SGLang's frontend first prefills the prompt alone (a pre-cache call) so that
+        the choices find it cached; here the scheduler's in-batch sharing does that within the call: one choice
+        computes the uncached prompt, the others wait a step and take it from the cache (scheduler/prefill.py)."""
         start = max(len(self.engine.tokenizer.encode(text)) - 2, 0)
         rs = await self._generate([text + c for c in choices], {"max_new_tokens": 0},
                                   return_logprob=True, logprob_start_len=start)

@@ -8,8 +8,9 @@ while the budgets hold (SGLang's PrefillAdder):
 - KV room: free + evictable slots minus what the running requests are expected to still need
   (`new_token_ratio` x their remaining tokens, clipped at CLIP_NEW_TOKENS each);
 - `max_running` requests, and a free slot-table row.
-In-batch prefix dedup (cache-aware policies): a request whose prefix another request of this batch is about to
-compute waits a step, then hits the cache. A batch of short jump-forward extends carries the running requests'
+In-batch prefix dedup (cache-aware policies): a request whose usable prefix (match_limit) another request of this
+batch, the chunked request's later chunks, or the prefill forward still in flight (overlap) is about to compute
+waits a step, then hits the cache. A batch of short jump-forward extends carries the running requests'
 decode step too (mixing), so a jump costs no extra forward.
 
 A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
@@ -39,17 +40,22 @@ def est_new(r: Req) -> int:
     return min(r.params.max_new_tokens - len(r.output_ids), CLIP_NEW_TOKENS)
 
 
-def match(s: "Scheduler", r: Req) -> None:
-    """Longest cached prefix usable by `r`: at least one token is always recomputed (its logits are needed),
-    and the positions of prompt logprobs not recorded yet are recomputed too."""
-    if r.match_version == s.cache.version:
-        return  # nothing was inserted or evicted since: the match still holds (LPM stays cheap under load)
+def match_limit(s: "Scheduler", r: Req) -> int:
+    """How many leading tokens of `r` a cached prefix may serve: at least one token is always recomputed (its
+    logits are needed), and the positions of prompt logprobs not recorded yet are recomputed too."""
     limit = len(r.fill_ids) - 1
     if r.next_prompt_logprob < len(r.input_ids):
         limit = min(limit, max(r.next_prompt_logprob - 1, 0))
     if r in s.no_match and r.computed_tokens == 0:
         limit = 0  # ablation: compute the whole prompt (the empty key matches the root)
-    r.prefix_slots, r.match_node = s.memory.match(r.fill_ids[:limit])
+    return limit
+
+
+def match(s: "Scheduler", r: Req) -> None:
+    """Longest cached prefix usable by `r` (match_limit)."""
+    if r.match_version == s.cache.version:
+        return  # nothing was inserted or evicted since: the match still holds (LPM stays cheap under load)
+    r.prefix_slots, r.match_node = s.memory.match(r.fill_ids[:match_limit(s, r)])
     r.match_version = s.cache.version
 
 
@@ -94,6 +100,23 @@ class PrefillAdder:
             return True
         mem.tree.unlock(r.match_node)
         return False
+
+
+def _simulate(sim: RadixCache, key) -> None:
+    sim.insert(key, torch.zeros(len(key), dtype=torch.int64))
+
+
+def in_flight_prefixes(s: "Scheduler") -> RadixCache:
+    """A slot-less tree of the prefixes about to be computed, seeded with those of the prefill forward still in
+    flight (overlap): its KV enters the tree only once it is processed, after this batch is scheduled, so a
+    request sharing it waits for it as for a batch-mate."""
+    sim = RadixCache()
+    f = s._inflight
+    if f is not None and not f.sb.is_decode:
+        for r, pre, ext, epoch in zip(f.sb.reqs, f.sb.prefix_lens, f.sb.extend_lens, f.sb.epochs):
+            if r.epoch == epoch:
+                _simulate(sim, r.fill_ids[:pre + ext])
+    return sim
 
 
 def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
@@ -147,6 +170,10 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
     for r in s.waiting:
         match(s, r)
     order = s.policy.order(s.waiting, s.policy_context) if not s.cache.disabled else list(s.waiting)
+    sim = in_flight_prefixes(s) if s.shares_prefixes_in_batch else None
+    if sim is not None:
+        for r in add.batch.reqs:  # the chains' next chunks, taken before the queue (_continue_chains)
+            _simulate(sim, r.fill_ids[:r.kv_len])
     if s.chunked is not None:  # the in-flight chunked request continues first
         r = s.chunked
         ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
@@ -154,7 +181,8 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
             add.take(r, ext)
             if r.kv_len == len(r.fill_ids):
                 s.chunked = None
-    sim = RadixCache() if s.shares_prefixes_in_batch else None
+        if sim is not None:
+            _simulate(sim, r.fill_ids)  # its later chunks too: a request sharing them waits for the whole prompt
     admitted: set[Req] = set()
     for r in order:
         if len(s.running) + len(add.batch) >= s.cfg.max_running or not s.memory.rows.available:
@@ -163,10 +191,11 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
             break
         match(s, r)  # again: allocations for requests admitted before r may have evicted its old match
         matched = len(r.prefix_slots)
-        if sim is not None and len(add.batch):
-            in_batch, _ = sim.match(r.fill_ids)
-            if len(in_batch) - matched >= IN_BATCH_DEPRIORITIZE:
-                continue  # a request in this batch computes this prefix; share it next step
+        if sim is not None and sim.total_size:
+            # only what r could take from the cache counts: positions whose logits r needs are recomputed anyway
+            shared = min(len(sim.peek(r.fill_ids)), match_limit(s, r))
+            if shared - matched >= IN_BATCH_DEPRIORITIZE:
+                continue  # a request in this batch (or the forward in flight) computes it: share it next step
         ext = len(r.fill_ids) - matched
         chunk = ext > add.rem_chunk
         if chunk and s.chunked is not None:
@@ -178,7 +207,7 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
             s.chunked = r
         admitted.add(r)
         if sim is not None:
-            sim.insert(r.fill_ids, torch.zeros(len(r.fill_ids), dtype=torch.int64))
+            _simulate(sim, r.fill_ids)
         add.take(r, ext)
     if admitted:
         s.waiting = [r for r in s.waiting if r not in admitted]
