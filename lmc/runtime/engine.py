@@ -56,7 +56,7 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m-instruct", *, device: str = "auto", dtype: str = "auto",
                  attention_backend: str = "auto", max_total_tokens: int | None = None,
                  max_running_requests: int = 256, max_prefill_tokens: int = 16384,
-                 chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
+                 chunked_prefill_size: int | None = None, schedule_policy: str = "program",
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
