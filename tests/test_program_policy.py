@@ -71,6 +71,13 @@ def test_a_plain_request_is_a_one_call_program_bounded_by_its_max_new_tokens():
     assert POLICIES["program"].order([bounded, plain], ctx) == [plain, bounded]
 
 
+def test_work_of_the_same_doubling_level_is_a_tie_the_prefix_match_decides():
+    ctx = _ctx()
+    a, b = _req(0, ProgramHints("a", tokens_left=17)), _req(30, ProgramHints("b", tokens_left=30))
+    c = _req(60, ProgramHints("c", tokens_left=32))  # the next level: 32-63
+    assert POLICIES["program"].order([a, c, b], ctx) == [b, a, c]
+
+
 def test_ties_go_to_the_longer_prefix_match_then_first_seen():
     ctx = _ctx()
     h = [ProgramHints(str(i), tokens_left=20) for i in range(3)]

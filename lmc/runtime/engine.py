@@ -65,6 +65,9 @@ class Engine:
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
+        `schedule_policy`: the admission order, a name in scheduler.POLICIES; `program` (the default) orders by
+        the plan's remaining work where requests carry program hints and keeps KV by next use, and orders as `lpm`
+        where none do.
         `start`: start the scheduler thread; False leaves `engine.scheduler.step()` to the caller (tests that
         drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained

@@ -119,11 +119,12 @@ class ProgramAware(Policy):
     Requests are ranked by their program instance, with these keys in order:
     1. aged first: a request first seen waiting `max_wait_s` or more ago goes before every request that has waited
        less, the aged ones in the order they arrived;
-    2. less remaining work first: the plan's bound of the tokens the instance may still generate
-       (`ProgramHints.tokens_left`); where the plan cannot bound it (None: host code or a nested program follows),
-       the tokens the instance has generated so far (least attained service: a program that has run long is
-       expected to run long). A request without hints is a program of one call, bounded by its own
-       `max_new_tokens` (what is left of it);
+    2. less remaining work first, by levels that double (work 0, 1, 2-3, 4-7, ...: Autellix's discretized
+       queues, so that instances of about the same work share a level and the cache decides among them): the
+       plan's bound of the tokens the instance may still generate (`ProgramHints.tokens_left`); where the plan
+       cannot bound it (None: host code or a nested program follows), the tokens the instance has generated so
+       far (least attained service: a program that has run long is expected to run long). A request without
+       hints is a program of one call, bounded by its own `max_new_tokens` (what is left of it);
     3. the longer cached prefix match;
     4. first seen first.
     A queue in which no request carries hints is ordered as `lpm` orders it.
@@ -153,7 +154,7 @@ class ProgramAware(Policy):
         def key(r: Req):
             if now - seen[r] >= self.max_wait_s:
                 return (0, seen[r], 0, 0)
-            return (1, self.work(r, led), -len(r.prefix_slots), seen[r])
+            return (1, self.work(r, led).bit_length(), -len(r.prefix_slots), seen[r])
 
         return sorted(waiting, key=key)
 
