@@ -18,7 +18,7 @@ PROGRAMS = {
     "tree_of_thought": (tree_of_thought, [{"question": q, "plan_tokens": 6, "solution_tokens": 6}
                                           for q in ("What is 2 + 3?",)]),  # 2 x 2 forks: 6 calls at once
     "judge": (judge, [{"title": t, "article": a, "judgement_tokens": 6}
-                      for t, a in (("Cats", "Cats sleep a lot."), ("Rain", "Rain falls from clouds."))]),
+                      for t, a in (("Cats", "Cats sleep a lot."),)]),  # 4 branches at once, then the merge
     "few_shot_qa": (few_shot_qa, [{"question": f"What is the capital of {c}?"} for c in ("France", "Spain")]),
 }
 
