@@ -31,7 +31,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -239,7 +238,8 @@ def main() -> None:
             from peer import SERVED_NAME, VLLMServer
 
             if not os.environ.get("LMC_PEER_URL"):
-                raise SystemExit("vllm/compiled needs LMC_PEER_URL (the shared server: python benchmarks/suite/peer.py)")
+                raise SystemExit("vllm/compiled needs LMC_PEER_URL (the shared server: "
+                                 "python benchmarks/suite/peer.py)")
             peer = VLLMServer("").start()
             backends["vllm"] = lmc.OpenAI(SERVED_NAME, base_url=peer.base_url, api_key="EMPTY")
         # warm-up: every program once on every backend (traces, connections, the servers' first forwards)
