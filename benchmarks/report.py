@@ -634,6 +634,41 @@ def render_serving(r: dict, _dir: Path) -> str:
         command(r) + f" Run note: {r['note']}", "", table(["figure", "lmc serve", "vLLM-CPU"], rows)]) + "\n"
 
 
+@section("programs_load.json")
+def render_programs_load(r: dict, _dir: Path) -> str:
+    """programs_load_bench.py: program instances at Poisson rates, per policy and execution way, and vLLM-CPU."""
+    rows = []
+    for rate in r["rates"]:
+        per = r["summary"][str(rate)]
+        rows += [[num(rate, 2), s, fig(per[s]["mean_s"], 2, " s"), fig(per[s]["p90_s"], 2, " s"),
+                  fig(per[s]["throughput_per_s"], 3)] for s in r["systems"]]
+    t = r["targets"]
+    ratio_rows = []
+    for rate in r["rates"]:
+        q = r["summary"][str(rate)].get("ratios")
+        if q:
+            ratio_rows.append([num(rate, 2), fig(q["mean_ratio"], 2), fig(q["p90_ratio"], 2),
+                               fig(q["throughput_ratio"], 2)])
+    same = ", ".join(f"{s} {pct(v, 0, exact=True)}" for s, v in r["same_variables_as_program_compiled"].items()
+                     if v is not None)
+    return "\n".join([
+        "## Program instances under load: the program policy, compiled vs interpreted, and vLLM-CPU\n",
+        f"A mixed stream ({', '.join(f'{k} {v:.0%}' for k, v in r['mix'].items())}) of {r['instances_per_run']} "
+        f"instances per run arriving at Poisson rates against `lmc serve` with a {r['kv_tokens']}-token KV pool "
+        "(too small to keep every prefix), temperature 0. *compiled*: segments over POST /v1/programs with the "
+        "plan's hints; *interpreted*: one request per gen/select over RuntimeEndpoint; the server's "
+        "--schedule-policy before the slash; vLLM-CPU through lmc.OpenAI. Completion = done - scheduled arrival; "
+        "throughput = instances / (last done - first arrival). Median (min-max) of "
+        f"{r['reps']} runs, systems alternating within each. Plot: programs_load.png.\n",
+        command(r) + f" Run note: {r['note']}", "",
+        table(["rate (/s)", "system", "mean completion", "p90 completion", "throughput (/s)"], rows), "",
+        f"program/compiled over lpm/interpreted, per run (targets: mean <= {t['mean_ratio']}, p90 <= "
+        f"{t['p90_ratio']}, throughput >= {t['saturation_throughput_ratio']} at the highest rate, "
+        f"{num(r['saturation_rate'], 2)}/s):\n",
+        table(["rate (/s)", "mean ratio", "p90 ratio", "throughput ratio"], ratio_rows), "",
+        f"Same variables as program/compiled, instance by instance: {same}."]) + "\n"
+
+
 def _register_suite() -> None:
     """The peer suite's sections: benchmarks/suite/report.py's `render`, for its recorded runs."""
     path = HERE / "suite" / "report.py"

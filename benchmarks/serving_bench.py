@@ -48,10 +48,11 @@ def _free_port() -> int:
 
 
 class LmcServer:
-    """`lmc serve` in a process group of its own; base_url like peer.VLLMServer's."""
+    """`lmc serve` in a process group of its own; base_url like peer.VLLMServer's. `extra_args`: more `lmc serve`
+    options (e.g. --schedule-policy)."""
 
-    def __init__(self, log_path: str):
-        self.port, self.log_path = _free_port(), log_path
+    def __init__(self, log_path: str, extra_args: tuple[str, ...] = ()):
+        self.port, self.log_path, self.extra_args = _free_port(), log_path, tuple(extra_args)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None
@@ -63,7 +64,8 @@ class LmcServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", "smollm2-135m-instruct",
-                                      "--served-model-name", MODEL_NAME, "--port", str(self.port)],
+                                      "--served-model-name", MODEL_NAME, "--port", str(self.port),
+                                      *self.extra_args],
                                      env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 600

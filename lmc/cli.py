@@ -675,7 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--grammar-compile-timeout", type=_positive_float, default=None,
                     help="seconds a grammar may take to compile before its request gets a 400 (default 30)")
     sv.add_argument("--served-model-name", default=None, help="the model name the API reports")
-    sv.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"])
+    sv.add_argument("--schedule-policy", default="program",
+                    choices=["program", "lpm", "dfs-weight", "fcfs", "random"],
+                    help="admission order; program: by the plan's remaining work where requests carry program "
+                         "hints (KV kept by next use), else as lpm")
     sv.add_argument("--disable-radix-cache", action="store_true")
     sv.add_argument("--disable-continuation", action="store_true",
                     help="run each call of a /v1/programs program as its own engine request (the ablation)")

@@ -58,7 +58,7 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m-instruct", *, device: str = "auto", dtype: str = "auto",
                  attention_backend: str = "auto", max_total_tokens: int | None = None,
                  max_running_requests: int = 256, max_prefill_tokens: int = 16384,
-                 chunked_prefill_size: int | None = None, schedule_policy: str = "lpm",
+                 chunked_prefill_size: int | None = None, schedule_policy: str = "program",
                  disable_radix_cache: bool = False, context_length: int | None = None,
                  mem_fraction_static: float = 0.85, seed: int = 0, check_invariants: bool = False,
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
@@ -68,6 +68,9 @@ class Engine:
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
+        `schedule_policy`: the admission order, a name in scheduler.POLICIES; `program` (the default) orders by
+        the plan's remaining work where requests carry program hints and keeps KV by next use, and orders as `lpm`
+        where none do.
         `start`: start the scheduler thread; False leaves `engine.scheduler.step()` to the caller (tests that
         drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained

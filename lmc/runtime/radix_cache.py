@@ -7,7 +7,9 @@ Invariants (checked by `check()` in tests):
   incrementally and together equal the number of slots the tree owns.
 - `_leaves` holds exactly the unlocked childless non-root nodes: the eviction candidates.
 Eviction pops the least recently used leaf, frees its slots and cascades to the parent when that becomes an
-unlocked leaf, so an interior prefix lives as long as anything below it.
+unlocked leaf, so an interior prefix lives as long as anything below it. A caller may pass an eviction key that
+ranks leaves before recency (the scheduler's retention by the program plan reads `Node.retain`, a tag it sets;
+the tree only stores it, and a split leaves it on the lower part, which keeps the edge's end).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ _node_ids = itertools.count()
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "retain")
 
     def __init__(self, key: tuple = (), value: torch.Tensor = _EMPTY, parent: "Node | None" = None):
         self.children: dict[int, Node] = {}
@@ -53,6 +55,7 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.id = next(_node_ids)  # tie-break: eviction order must not depend on memory addresses
+        self.retain = None  # the caller's retention tag (see the module docstring)
 
     def __lt__(self, other: "Node") -> bool:
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -159,14 +162,16 @@ class RadixCache:
             node = node.parent
 
     # ---- eviction ------------------------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots if possible, least recently used leaves first. Returns slots freed."""
-        heap = list(self._leaves)
+    def evict(self, num_tokens: int, key=None) -> int:
+        """Free at least `num_tokens` slots if possible, least recently used leaves first; with `key` (node ->
+        sortable), smallest key first and least recently used among equals. Returns slots freed."""
+        rank = (lambda n: (key(n), n)) if key is not None else (lambda n: ((), n))
+        heap = [rank(n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
         self.version += bool(heap)
         while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
+            _, leaf = heapq.heappop(heap)
             self.free_slots(leaf.value)
             freed += len(leaf.key)
             parent = leaf.parent
@@ -175,7 +180,7 @@ class RadixCache:
             self.evictable_size -= len(leaf.key)
             if parent is not self.root and parent.lock_ref == 0 and not parent.children:
                 self._leaves.add(parent)
-                heapq.heappush(heap, parent)
+                heapq.heappush(heap, rank(parent))
         return freed
 
     # ---- internals -----------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ so the later write wins.
 The slot table exists twice. `table` here is the scheduler's host copy, the only one the scheduler reads. The
 runner's device copy receives every write: the slots of a batch's new tokens travel with that batch, and the
 other writes (a request adopting cached slots for its prefix) wait in `pending` and go with the next batch.
+
+Retention by the plan (issue 14): `programs` is the ProgramLedger of the instances whose requests carry hints. A
+finished hinted request's prefix node is tagged with its next use, and while the program policy schedules
+(`programs.retaining`), eviction goes by those tags before recency (programs.py has the order).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 from ..core import Req
 from ..memory import RowAllocator, SlotAllocator
 from ..radix_cache import RadixCache
+from .programs import ProgramLedger
 
 
 class CacheManager:
@@ -37,6 +42,7 @@ class CacheManager:
         self.tree = RadixCache(self.slots.free, disabled=disabled)
         self.pending: list[tuple[int, int, torch.Tensor]] = []
         self.stats = stats if stats is not None else {"cache_seconds": 0.0}  # time spent in tree operations
+        self.programs = ProgramLedger()
 
     @property
     def room(self) -> int:
@@ -96,7 +102,7 @@ class CacheManager:
     def evict(self, n: int) -> None:
         if n > 0:
             t0 = time.perf_counter()
-            self.tree.evict(n)
+            self.tree.evict(n, self.programs.eviction_key if self.programs.retaining else None)
             self.stats["cache_seconds"] += time.perf_counter() - t0
 
     # ---- progress and release ----------------------------------------------------------------------------------
@@ -125,9 +131,20 @@ class CacheManager:
             self.slots.free(slots[protected:already])
             self.slots.free(slots[max(done, protected):])
             self.tree.unlock(r.last_node)
+            self._retain(r, done)
         self.rows.free(r.row)
         r.row, r.kv_len, r.kv_done, r.cache_protected_len, r.last_node = -1, 0, 0, 0, None
         self.stats["cache_seconds"] += time.perf_counter() - t0
+
+    def _retain(self, r: Req, done: int) -> None:
+        """Count r's service in its instance and, once r is finished, tag the node ending at its computed tokens
+        with their next use (the node is unlocked now: the tag orders its eviction)."""
+        st = self.programs.released(r)
+        if st is None or not r.finished or not done:
+            return
+        _, node = self.tree.match(r.fill_ids[:done])
+        if node is not self.tree.root:
+            node.retain = self.programs.tag(r, st)
 
     def cache_unfinished(self, r: Req) -> None:
         """Insert r's computed tokens into the tree while it keeps running (so requests queued behind it can

@@ -17,7 +17,7 @@ MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward 
 
 @dataclass
 class SchedulerConfig:
-    policy: str = "lpm"
+    policy: str = "program"  # a name in policy.POLICIES
     max_running: int = 256
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192

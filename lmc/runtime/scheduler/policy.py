@@ -2,17 +2,21 @@
 
 A policy is an object with `order(waiting, ctx) -> list[Req]`, registered by name in POLICIES. Cache-aware
 policies read each request's prefix match (`prefix_slots`, `match_node`), which the scheduler refreshes before
-calling them; with the radix cache disabled every policy is FCFS. A new policy (the program-aware one of issue
-14) subclasses Policy and registers itself with `register`; `SchedulerConfig.policy` names it.
+calling them; with the radix cache disabled every policy is FCFS. A policy subclasses Policy, implements `rank`,
+and registers itself with `register`; `SchedulerConfig.policy` names it (`Engine(schedule_policy=...)`,
+`lmc serve --schedule-policy`). `program` (issue 14) is the default: on a queue without program hints it orders
+exactly as `lpm` does.
 """
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core import Req
 from ..radix_cache import RadixCache
+from .prefill import est_new
+from .programs import ProgramLedger
 
 
 @dataclass
@@ -21,15 +25,22 @@ class PolicyContext:
 
     tree: RadixCache
     rng: random.Random
+    programs: ProgramLedger = field(default_factory=ProgramLedger)  # the CacheManager's (it sees releases)
 
 
 class Policy(ABC):
     name: str
     cache_aware: bool = False  # reads prefix matches; requests sharing a prefix are also deduplicated in a batch
+    plan_retention: bool = False  # the radix tree evicts by the plan's next uses while this policy schedules
 
-    @abstractmethod
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         """The queue in admission order (a new list; the queue itself is left alone)."""
+        ctx.programs.retaining = self.plan_retention
+        return self.rank(waiting, ctx)
+
+    @abstractmethod
+    def rank(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        """`order` for this policy."""
 
 
 POLICIES: dict[str, Policy] = {}
@@ -50,14 +61,14 @@ def get_policy(name: str) -> Policy:
 class FCFS(Policy):
     name = "fcfs"
 
-    def order(self, waiting, ctx):
+    def rank(self, waiting, ctx):
         return list(waiting)
 
 
 class Random(Policy):
     name = "random"
 
-    def order(self, waiting, ctx):
+    def rank(self, waiting, ctx):
         q = list(waiting)
         ctx.rng.shuffle(q)
         return q
@@ -69,7 +80,7 @@ class LongestPrefixMatch(Policy):
     name = "lpm"
     cache_aware = True
 
-    def order(self, waiting, ctx):
+    def rank(self, waiting, ctx):
         return sorted(waiting, key=lambda r: -len(r.prefix_slots))
 
 
@@ -80,7 +91,7 @@ class DFSWeight(Policy):
     name = "dfs-weight"
     cache_aware = True
 
-    def order(self, waiting, ctx):
+    def rank(self, waiting, ctx):
         at_node: dict = {}
         for r in waiting:
             at_node.setdefault(r.match_node, []).append(r)
@@ -102,6 +113,60 @@ class DFSWeight(Policy):
         return out
 
 
-for _p in (LongestPrefixMatch(), DFSWeight(), FCFS(), Random()):
+class ProgramAware(Policy):
+    """Program-aware admission (issue 14; Autellix's PLAS where the plan cannot bound the work).
+
+    Requests are ranked by their program instance, with these keys in order:
+    1. aged first: a request first seen waiting `max_wait_s` or more ago goes before every request that has waited
+       less, the aged ones in the order they arrived;
+    2. less remaining work first, by levels that double (work 0, 1, 2-3, 4-7, ...: Autellix's discretized
+       queues, so that instances of about the same work share a level and the cache decides among them): the
+       plan's bound of the tokens the instance may still generate (`ProgramHints.tokens_left`); where the plan
+       cannot bound it (None: host code or a nested program follows), the tokens the instance has generated so
+       far (least attained service: a program that has run long is expected to run long). A request without
+       hints is a program of one call, bounded by its own `max_new_tokens` (what is left of it);
+    3. the longer cached prefix match;
+    4. first seen first.
+    A queue in which no request carries hints is ordered as `lpm` orders it.
+
+    Aging bound: a request is admitted at most `max_wait_s` after it is first seen waiting, plus the time it takes
+    to admit the requests seen before it (aged requests are FCFS, and admission stops at the first request in order
+    that does not fit the budgets, so nothing behind an aged request overtakes it). Whatever arrives later cannot
+    delay it past that, so a long program under a flood of short ones makes progress at every call.
+
+    Retention (`plan_retention`): while this policy schedules, the radix tree evicts by the plan (programs.py).
+    """
+
+    name = "program"
+    cache_aware = True
+    plan_retention = True
+
+    def __init__(self, max_wait_s: float = 10.0):
+        self.max_wait_s = max_wait_s
+
+    def rank(self, waiting, ctx):
+        if not any(r.program is not None for r in waiting):
+            return POLICIES["lpm"].rank(waiting, ctx)
+        led = ctx.programs
+        now = led.clock()
+        seen = {r: led.seen(r) for r in waiting}
+
+        def key(r: Req):
+            if now - seen[r] >= self.max_wait_s:
+                return (0, seen[r], 0, 0)
+            return (1, self.work(r, led).bit_length(), -len(r.prefix_slots), seen[r])
+
+        return sorted(waiting, key=key)
+
+    @staticmethod
+    def work(r: Req, led: ProgramLedger) -> int:
+        """The remaining-work estimate of r's instance, in generated tokens (key 2 of the class docstring)."""
+        h = r.program
+        if h is None:
+            return est_new(r)
+        return h.tokens_left if h.tokens_left is not None else led.attained(r)
+
+
+for _p in (ProgramAware(), LongestPrefixMatch(), DFSWeight(), FCFS(), Random()):
     register(_p)
 

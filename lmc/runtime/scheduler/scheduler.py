@@ -98,7 +98,7 @@ class Scheduler:
         r = self.runner
         self.memory = CacheManager(r.num_rows, r.context_length, r.num_slots, disabled=self.disable_radix_cache,
                                    stats=self.stats)
-        self.policy_context = PolicyContext(self.memory.tree, self._rng)
+        self.policy_context = PolicyContext(self.memory.tree, self._rng, self.memory.programs)
 
     # The radix tree and the slot allocator, under the names the engine's stats and the server read.
     @property
