@@ -134,7 +134,9 @@ def main() -> None:
            "peer_thread_binding": PEER_THREAD_BINDING, "peer_attached": bool(os.environ.get("LMC_PEER_URL")),
            "load_average_per_run": loads,
            "note": ("Shared 2-core machine: other engineers' jobs ran meanwhile (load averages after every run); the "
-                    "two servers alternate within each repetition and never run at the same time."),
+                    "two servers alternate within each repetition and never serve at the same time"
+                    + (" (the attached vLLM server stays up, idle, while lmc runs; other sessions may use it)."
+                       if os.environ.get("LMC_PEER_URL") else ".")),
            "provenance": finish(prov)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
