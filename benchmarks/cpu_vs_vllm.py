@@ -10,7 +10,8 @@ before every measured call (the prompts share nothing).
 Systems: `lmc` (the default engine: eager forward, prepacked oneDNN linears, the paged C++ attention kernel),
 `lmc-compiled` (`enable_torch_compile=True`; its inductor cache starts empty in a temporary directory, so its first
 repetition's start is a first start and later ones are second starts) and `vllm` (vLLM-CPU's LLM API, block size
-32, as the suite's peer server).
+32, in the suite peer's environment: benchmarks/suite/peer.py's `peer_env`, whose thread binding `auto` measured
+the fastest here; recorded as `peer_thread_binding`).
 
 Workloads:
 - decode_b16: 16 prompts of 64 random tokens. Decode tokens/s = 16 * 64 / (wall of 65 generated tokens - wall of 1
@@ -18,7 +19,12 @@ Workloads:
 - no_sharing: 48 unrelated prompts of 200 random tokens, 16 generated each: requests/s and output tokens/s by wall.
 Output equality: the share of requests whose generated token ids equal lmc's.
 
-    python benchmarks/cpu_vs_vllm.py [--reps 3] [--systems lmc lmc-compiled vllm] [--peer-venv DIR] [--out PATH]
+    python benchmarks/cpu_vs_vllm.py [--reps 3] [--systems lmc lmc-compiled vllm] [--one-start] [--peer-venv DIR]
+                                     [--out PATH]
+
+`--one-start`: each system's worker starts once and serves every repetition (the workers stay alive side by side,
+idle while another system runs); the repetitions still alternate, and every generate call starts from a reset
+prefix cache. For loaded machines, where each vLLM start takes minutes.
 
 Record under `flock /tmp/lmc-bench.lock`. JSON: benchmarks/results/cpu_vs_vllm.json (record.spread per figure,
 provenance with the load average).
@@ -36,6 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(HERE, "suite"))
 OUT = os.path.join(HERE, "results", "cpu_vs_vllm.json")
 THREADS = 2
 DECODE_BATCH, DECODE_PROMPT, DECODE_NEW = 16, 64, 64
@@ -96,8 +103,10 @@ class Worker:
     def __init__(self, kind: str, model_dir: str, env: dict, peer_venv: str):
         python = os.path.join(peer_venv, "bin", "python") if kind == "vllm" else sys.executable
         env = {**os.environ, **env, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"}
-        if kind == "vllm":  # as benchmarks/suite/peer.py starts its server
-            env.update(VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH="")
+        if kind == "vllm":  # as benchmarks/suite/peer.py starts its server (its thread binding: see peer.py)
+            from peer import peer_env
+
+            env.update(peer_env(THREADS, kv_cache_gib=2))
         else:
             env["PYTHONPATH"] = ROOT
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"cpu_vs_vllm_{kind}_", suffix=".log", delete=False)
@@ -138,20 +147,24 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
-def run_rep(kind: str, model_dir: str, env: dict, rep: int, peer_venv: str) -> dict:
-    w = Worker(kind, model_dir, env, peer_venv)
-    try:
-        w.generate(prompts(4, 16, 999), 4)  # first-touch of pools and shapes, not measured
-        dec = prompts(DECODE_BATCH, DECODE_PROMPT, rep)
-        prefill = w.generate(dec, 1)["seconds"]
-        full = w.generate(dec, DECODE_NEW + 1)
-        ns = w.generate(prompts(NS_N, NS_PROMPT, 1000 + rep), NS_NEW)
-    finally:
-        w.close()
+def measure(w: Worker, rep: int) -> dict:
+    w.generate(prompts(4, 16, 999), 4)  # first-touch of pools and shapes, not measured
+    dec = prompts(DECODE_BATCH, DECODE_PROMPT, rep)
+    prefill = w.generate(dec, 1)["seconds"]
+    full = w.generate(dec, DECODE_NEW + 1)
+    ns = w.generate(prompts(NS_N, NS_PROMPT, 1000 + rep), NS_NEW)
     return {"start_s": w.start_s, "decode_b16_tok_s": DECODE_BATCH * DECODE_NEW / (full["seconds"] - prefill),
             "decode_b16_wall_s": full["seconds"], "prefill_b16_s": prefill,
             "no_sharing_req_s": NS_N / ns["seconds"], "no_sharing_out_tok_s": NS_N * NS_NEW / ns["seconds"],
             "decode_ids": full["output_ids"], "no_sharing_ids": ns["output_ids"]}
+
+
+def run_rep(kind: str, model_dir: str, env: dict, rep: int, peer_venv: str) -> dict:
+    w = Worker(kind, model_dir, env, peer_venv)
+    try:
+        return measure(w, rep)
+    finally:
+        w.close()
 
 
 def equal_share(a: list[list[int]], b: list[list[int]]) -> float:
@@ -168,11 +181,15 @@ def main() -> None:
                     choices=["lmc", "lmc-compiled", "vllm"])
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv-peer"), help="where `make peer` installed vLLM")
+    ap.add_argument("--one-start", action="store_true",
+                    help="start each system's worker once and alternate the repetitions among the live workers "
+                         "(a vLLM start costs minutes on a loaded machine); start times are then one sample each")
     args = ap.parse_args()
     if "vllm" in args.systems and not os.path.exists(os.path.join(args.peer_venv, ".installed")):
         sys.exit("vLLM-CPU is not installed: run `make peer` first")
     sys.path.insert(0, ROOT)
     from lmc.runtime.model.loader import resolve
+    from peer import PEER_THREAD_BINDING
 
     model_dir = resolve("smollm2-135m-instruct").tokenizer_dir  # the converted HF directory vLLM loads too
     prov = provenance("benchmarks/cpu_vs_vllm.py", SHARED_MACHINE_NOTE)
@@ -180,13 +197,20 @@ def main() -> None:
     inductor = tempfile.mkdtemp(prefix="cpu_vs_vllm_inductor_")  # lmc-compiled: empty at its first start
     env = {"TORCHINDUCTOR_CACHE_DIR": inductor}
     runs: dict = {s: [] for s in args.systems}
-    for rep in range(args.reps):
-        for kind in args.systems if rep % 2 == 0 else list(reversed(args.systems)):
-            r = run_rep(kind, model_dir, env, rep, args.peer_venv)
-            runs[kind].append(r)
-            loads.append(os.getloadavg())
-            print(f"rep {rep} {kind}: start {r['start_s']:.1f} s, decode b16 {r['decode_b16_tok_s']:.1f} tok/s, "
-                  f"no-sharing {r['no_sharing_req_s']:.2f} req/s (load {loads[-1][0]:.1f})", flush=True)
+    live: dict = {}
+    try:
+        for kind in args.systems if args.one_start else ():
+            live[kind] = Worker(kind, model_dir, env, args.peer_venv)
+        for rep in range(args.reps):
+            for kind in args.systems if rep % 2 == 0 else list(reversed(args.systems)):
+                r = measure(live[kind], rep) if live else run_rep(kind, model_dir, env, rep, args.peer_venv)
+                runs[kind].append(r)
+                loads.append(os.getloadavg())
+                print(f"rep {rep} {kind}: start {r['start_s']:.1f} s, decode b16 {r['decode_b16_tok_s']:.1f} tok/s, "
+                      f"no-sharing {r['no_sharing_req_s']:.2f} req/s (load {loads[-1][0]:.1f})", flush=True)
+    finally:
+        for w in live.values():
+            w.close()
     results: dict = {}
     ref = runs.get("lmc")  # outputs are compared with lmc's default engine when it ran
     for kind, rs in runs.items():
@@ -194,10 +218,10 @@ def main() -> None:
                                                         "no_sharing_req_s", "no_sharing_out_tok_s")}
         if kind == "lmc-compiled":  # the first repetition started on an empty inductor cache
             res["first_start_s"] = rs[0]["start_s"]
-            if len(rs) > 1:
+            if len(rs) > 1 and not args.one_start:
                 res["second_start_s"] = spread([r["start_s"] for r in rs[1:]])
         else:
-            res["start_s"] = spread([r["start_s"] for r in rs])
+            res["start_s"] = spread([r["start_s"] for r in (rs[:1] if args.one_start else rs)])
         if ref is not None:
             res["outputs_equal_to_lmc"] = {
                 "decode_b16": exact([equal_share(r["decode_ids"], q["decode_ids"]) for r, q in zip(rs, ref)]),
@@ -209,10 +233,10 @@ def main() -> None:
                    for k in ("decode_b16_tok_s", "no_sharing_req_s")}
             for kind in results if kind.startswith("lmc")}
     out = {"model": "smollm2-135m-instruct", "dtype": "float32", "threads": THREADS, "cpus": os.cpu_count(),
-           "reps": args.reps, "systems": args.systems,
+           "reps": args.reps, "systems": args.systems, "one_start": args.one_start,
            "workloads": {"decode_b16": {"batch": DECODE_BATCH, "prompt_len": DECODE_PROMPT, "new": DECODE_NEW},
                          "no_sharing": {"prompts": NS_N, "prompt_len": NS_PROMPT, "new": NS_NEW}},
-           "results": results, "load_average_per_rep": loads,
+           "results": results, "load_average_per_rep": loads, "peer_thread_binding": PEER_THREAD_BINDING,
            "note": ("Shared 2-core machine: other engineers' tests and benchmarks ran meanwhile (load averages "
                     "recorded after every system's repetition); systems alternate within each repetition, so "
                     "load changes hit all of them, but absolute figures are slower than on an idle machine."),

