@@ -164,7 +164,11 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
     out: dict[str, System] = {}
     # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU; on a
     # shared CPU machine 16384 tokens, 0.7 GiB of SmolLM2, hold every batch of the recorded sizes)
-    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384)
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384,
+              # Continuation off: a chain request's calls reuse one Req, and measure.EngineRecorder reads each
+              # request's prompt and cached tokens once, at its end, so the hit rates of chains would be wrong
+              # (the next step is to record a chain call by call). Its latency effect is programs_bench.py's.
+              enable_continuation=False)
     if "transformers" in names:
         from transformers_peer import TransformersBackend
 
@@ -276,6 +280,7 @@ def main(argv=None) -> dict:
             "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
             "device": device, "ignore_eos": args.ignore_eos,
+            "lmc_continuation": "off (make_systems: chain requests are not yet measured call by call)",
             "note": (f"one {device}, which every system shares (its engines hold their weights and KV pools side by "
                      "side); systems alternate within every run; medians of the runs with min-max"
                      if device != "cpu" else
