@@ -280,13 +280,13 @@ def main(argv=None) -> dict:
             "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
             "device": device, "ignore_eos": args.ignore_eos,
-            "lmc_continuation": "off (make_systems: chain requests are not yet measured call by call)",
             "note": (f"one {device}, which every system shares (its engines hold their weights and KV pools side by "
                      "side); systems alternate within every run; medians of the runs with min-max"
                      if device != "cpu" else
                      "shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
                      "averages); lmc and vLLM use 2 threads each; systems alternate within every run; medians of "
-                     "the runs with min-max"),
+                     "the runs with min-max") + "; lmc's engine-side continuation off (chains not yet measured call "
+                    "by call)",
             "workloads": {w.name: {"sharing": w.sharing, "programs": len(w.calls),
                                    "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
                           for w in workloads},
