@@ -49,11 +49,12 @@ def instances(name: str, n: int) -> list[dict]:
     c = [COUNTRIES[i % len(COUNTRIES)] for i in range(n)]
     return [{
         "few_shot_qa": lambda i: {"question": f"What is the capital of {c[i]}?"},
-        "tree_of_thought": lambda i: {"question": f"What is {i} + {2 * i + 3}?"},
+        "tree_of_thought": lambda i: {"question": f"What is {i} + {2 * i + 3}?", "num_thoughts": 2},
         "judge": lambda i: {"question": f"What is the capital of {c[i]}?", "answer": f"It is {c[(i + 3) % n]}."},
         "react_agent": lambda i: {"question": f"What is the population of the capital of {c[i]}?"},
-        # two tips, not the default three: 32 instances of three 48-token expansions and a 48-token summary take
-        # ~2.5 minutes a batch on the 2-core machine, which 5 alternating repetitions cannot fit in a recorded run
+        # two tips (and two thoughts above), not the default three: 32 instances of three 48-token expansions and a
+        # 48-token summary take ~2.5 minutes a batch on the busy 2-core machine, which 5 alternating repetitions
+        # cannot fit in a recorded run (15 minutes)
         "tip_suggestion": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} (#{i})", "num_tips": 2},
         "calculator_agent": lambda i: {"question": f"What is {i + 2} times {i + 7}, plus {i}?"},
         "counted_list": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} ideas"},
