@@ -13,8 +13,13 @@ warmed by one batch (its tracing and segment cache are then what a user's second
 With --deadline HH:MM (UTC), no example starts after that time and no repetition starts once it has passed:
 the examples not run are listed under "not_run", and each example's spreads show how many runs they hold.
 
+With --merge, the examples this invocation runs replace theirs in an existing --out file made with the same --n
+and --repeat, and the others stay (a run too long for one command is recorded as several, e.g. one per group of
+examples). Each example keeps the provenance (command, start, load) of the invocation that measured it; the
+file's provenance lists every invocation's command.
+
     python benchmarks/compiler_bench.py [--n 32] [--repeat 5] [--only judge,react_agent] [--deadline 13:45]
-                                        [--out PATH]
+                                        [--merge] [--out PATH]
 """
 from __future__ import annotations
 
@@ -44,10 +49,13 @@ def instances(name: str, n: int) -> list[dict]:
     c = [COUNTRIES[i % len(COUNTRIES)] for i in range(n)]
     return [{
         "few_shot_qa": lambda i: {"question": f"What is the capital of {c[i]}?"},
-        "tree_of_thought": lambda i: {"question": f"What is {i} + {2 * i + 3}?"},
+        "tree_of_thought": lambda i: {"question": f"What is {i} + {2 * i + 3}?", "num_thoughts": 2},
         "judge": lambda i: {"question": f"What is the capital of {c[i]}?", "answer": f"It is {c[(i + 3) % n]}."},
         "react_agent": lambda i: {"question": f"What is the population of the capital of {c[i]}?"},
-        "tip_suggestion": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} (#{i})"},
+        # two tips (and two thoughts above), not the default three: 32 instances of three 48-token expansions and a
+        # 48-token summary take ~2.5 minutes a batch on the busy 2-core machine, which 5 alternating repetitions
+        # cannot fit in a recorded run (15 minutes)
+        "tip_suggestion": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} (#{i})", "num_tips": 2},
         "calculator_agent": lambda i: {"question": f"What is {i + 2} times {i + 7}, plus {i}?"},
         "counted_list": lambda i: {"topic": f"{TOPICS[i % len(TOPICS)]} ideas"},
     }[name](i) for i in range(n)]
@@ -102,6 +110,7 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: start no example or repetition after it")
     ap.add_argument("--note", default="", help="added to the JSON (e.g. how busy the machine was)")
+    ap.add_argument("--merge", action="store_true", help="keep the other examples of an existing --out file")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "compiler_examples.json"))
     args = ap.parse_args()
     names = args.only.split(",") if args.only else EXAMPLES
@@ -111,9 +120,12 @@ def main():
     deadline = _deadline(args.deadline) if args.deadline else None
     past = (lambda: time.time() >= deadline) if deadline else (lambda: False)
     backend = lmc.Local(device=args.device)
-    results = {"config": {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
-                          "machine": platform.node(), "order": "swapped every repetition"},
-               "provenance": provenance("benchmarks/compiler_bench.py", args.note), "examples": {}, "not_run": []}
+    config = {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
+              "machine": platform.node(), "order": "swapped every repetition"}
+    invocation = provenance("benchmarks/compiler_bench.py", args.note)
+    results = {"config": config, "provenance": dict(invocation), "examples": {}, "not_run": []}
+    if args.merge:
+        results = merged(args.out, config, invocation, names)
     for name in names:
         if past():
             results["not_run"].append(name)
@@ -142,7 +154,9 @@ def main():
         row["ratio_of_medians"] = row["compiled"]["programs_s"]["median"] / row["interpreted"]["programs_s"]["median"]
         row["same_variables_and_text"] = same
         row["segments"] = dict(compiled.stats)
+        row["provenance"] = finish(dict(invocation))
         results["examples"][name] = row
+        results["examples"] = {k: results["examples"][k] for k in EXAMPLES if k in results["examples"]}
         med = {m: row[m]["programs_s"] for m in modes}
         print(f"{name:17s} interpreted {med['interpreted']['median']:7.2f} [{med['interpreted']['min']:.2f}-"
               f"{med['interpreted']['max']:.2f}]  compiled {med['compiled']['median']:7.2f} "
@@ -155,6 +169,24 @@ def main():
         print(f"not run (past the deadline): {', '.join(results['not_run'])}", flush=True)
         save(results, args.out)
     backend.shutdown()
+
+
+def merged(path: str, config: dict, invocation: dict, names: list[str]) -> dict:
+    """The results of an earlier invocation (same n and repeat) with `names` to be measured again: their rows
+    and not_run entries go, the others stay; the file's provenance lists both invocations' commands."""
+    if not os.path.exists(path):
+        return {"config": config, "provenance": dict(invocation), "examples": {}, "not_run": []}
+    with open(path) as f:
+        old = json.load(f)
+    if (old["config"]["n"], old["config"]["repeat"]) != (config["n"], config["repeat"]):
+        sys.exit(f"--merge: {path} was made with --n {old['config']['n']} --repeat {old['config']['repeat']}, "
+                 f"not --n {config['n']} --repeat {config['repeat']}; merge only runs of one size")
+    prov = old["provenance"]
+    commands = [c for c in prov["command"].split(" && ") if c != invocation["command"]] + [invocation["command"]]
+    prov.update(command=" && ".join(commands), note=invocation["note"] or prov.get("note", ""))
+    return {"config": old["config"], "provenance": prov,
+            "examples": {k: v for k, v in old["examples"].items() if k not in names},
+            "not_run": [k for k in old.get("not_run", []) if k not in names]}
 
 
 def save(results: dict, path: str) -> None:

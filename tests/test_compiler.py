@@ -471,3 +471,22 @@ def test_imports_point_one_way():
     assert not [(u, v) for u, v in g.edges if u.startswith("lmc.frontend") and v.startswith("lmc.compiler")]
     assert not nx.has_path(g, "lmc.frontend.program", "lmc.compiler.compiled")
     assert not nx.has_path(g, "lmc.backend.endpoint", "lmc.backend.openai")
+
+
+def test_compiler_bench_merge_keeps_the_other_examples_and_lists_every_command(tmp_path, monkeypatch):
+    """A recorded compiler_bench too long for one command runs as several invocations merged into one file."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from compiler_bench import merged
+
+    out = tmp_path / "compiler_examples.json"
+    config = {"n": 32, "repeat": 5}
+    first = {"command": "python benchmarks/compiler_bench.py --only judge,react_agent", "note": "a"}
+    out.write_text(json.dumps({"config": config, "provenance": first, "not_run": ["react_agent"],
+                               "examples": {"judge": {"ratio": 1}, "react_agent": {"ratio": 2}}}))
+    second = {"command": "python benchmarks/compiler_bench.py --only react_agent --merge", "note": "b"}
+    got = merged(str(out), config, second, ["react_agent"])
+    assert list(got["examples"]) == ["judge"] and got["not_run"] == []  # react_agent is measured again
+    assert got["provenance"]["command"] == f"{first['command']} && {second['command']}"
+    with pytest.raises(SystemExit, match="--n 32 --repeat 5, not --n 8 --repeat 5"):
+        merged(str(out), {"n": 8, "repeat": 5}, second, ["judge"])
+    assert merged(str(tmp_path / "none.json"), config, second, ["judge"])["provenance"] == second

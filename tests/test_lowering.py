@@ -159,11 +159,21 @@ def pick(s, question):
     s += lmc.assistant(lmc.select("answer", choices=["certainly yes", "no way at all", "it depends"]))
 
 
+def test_a_multi_token_score_prefills_its_prompt_only_where_the_engine_shares_no_prefix_in_a_batch(tokenizer):
+    tmpl, compiled = ChatTemplate.from_tokenizer(tokenizer), pick.compile()
+    for sharing in (False, True):
+        caps = Capabilities(token_id_selects=True, batch_prefix_sharing=sharing)
+        [score] = [o for o in compiled.plan_for(Target("local", tmpl, tokenizer, caps)).ops if isinstance(o, Score)]
+        # without sharing: one prefill, then the choices as extensions; with it the choices' one engine call
+        # shares the prompt already, and a prefill would cost the select a round trip of its own
+        assert score.token_ids is None and score.prefill is not sharing
+
+
 def test_multi_token_choices_are_scored_by_the_score_op_as_the_interpreter_decides(engine):
     backend = lmc.Local(engine=engine)
     compiled = pick.compile()
     [score] = [o for o in compiled._plan(compiled.graph(), backend).ops if isinstance(o, Score)]
-    assert score.token_ids is None and score.prefill  # several tokens each: one prefill, then extensions
+    assert score.token_ids is None and score.prefill is not engine.scheduler.shares_prefixes_in_batch
     args = [{"question": q} for q in ("Is the sky blue on a clear day?", "Do fish need water to live?",
                                       "Is it going to rain tomorrow in London?")]
     computed = {}
@@ -180,8 +190,9 @@ def test_multi_token_choices_are_scored_by_the_score_op_as_the_interpreter_decid
         assert got.text() == want.text() and got.variables() == want.variables()
         assert got.get_meta_info("answer")["normalized_prompt_logprobs"] == \
             pytest.approx(want.get_meta_info("answer")["normalized_prompt_logprobs"], abs=1e-4)
-    # each instance's uncached question is computed once, not once per choice
-    assert computed["compiled"] < computed["interpreted"]
+    # each instance's uncached question is computed once, not once per choice (by the prefill, or by the engine's
+    # in-batch sharing, which serves the interpreter's requests too)
+    assert computed["compiled"] <= computed["interpreted"]
 
 
 # ---- planned API speculation -------------------------------------------------------------------------------------

@@ -420,8 +420,13 @@ def lower(g: ProgramGraph, target, stats: dict[str, dict], speculation_tokens: i
         groups = stats["api_speculation"]["chat_groups" if roles else "completion_groups"]
         spec = {nid: SpecStep(k, i == 0, speculation_tokens) for k, grp in enumerate(groups)
                 for i, nid in enumerate(grp)}
+    # A select's prompt is prefilled before its choices only on a local engine whose scheduler does not compute a
+    # prefix shared by queued requests once: where it does, the choices (one engine call) already share it, and
+    # the prefill would only cost every select a round trip of its own.
+    caps = target.capabilities
+    select_prefill = target.kind == "local" and not (caps is not None and caps.batch_prefix_sharing)
     ctx = _Lowering(g, target.kind, decided.get("commits", {}), decided.get("fork_batch", False),
-                    decided.get("select_tokens", {}), spec)
+                    decided.get("select_tokens", {}), spec, select_prefill)
     roots = [r for r in g.roots() if g.node(r).stream == 0]
     plan = Plan(g.name, target.kind, ctx.block(roots[0] if roots else None), list(g.params),
                 None if g.inputs is None else list(g.inputs), decided.get("batch_prefix", False),
@@ -438,6 +443,7 @@ class _Lowering:
     fork_batch: bool
     select_tokens: dict[int, list[int]]
     spec: dict[int, SpecStep]
+    select_prefill: bool  # a general score prefills its prompt first (see lower)
 
     def __post_init__(self):
         # a fork branch's stream -> its fork (a join finds its fork through the streams that end in it)
@@ -467,7 +473,7 @@ class _Lowering:
                 ids = self.select_tokens.get(nid)
                 ops.append(Score(nid, op, None if a.get("anonymous") else a["name"], list(a["choices"]),
                                  float(a["temperature"]), a["method"], None if ids is None else list(ids),
-                                 prefill=self.kind == "local" and ids is None and len(a["choices"]) > 1))
+                                 prefill=self.select_prefill and ids is None and len(a["choices"]) > 1))
             elif node.kind == "set_var":
                 ops.append(SetVar(nid, op, a["name"], a["value"]))
             elif node.kind == "var_scope":
