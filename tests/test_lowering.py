@@ -174,13 +174,18 @@ def test_multi_token_choices_are_scored_by_the_score_op_as_the_interpreter_decid
     compiled = pick.compile()
     [score] = [o for o in compiled._plan(compiled.graph(), backend).ops if isinstance(o, Score)]
     assert score.token_ids is None and score.prefill is not engine.scheduler.shares_prefixes_in_batch
+    # The questions start with different words and the warm-up caches what they all share (the system turn and
+    # the user turn's opening), so no instance shares uncached tokens with another: the counts do not depend on
+    # whether the instances reach the engine in one step or in several (a share below IN_BATCH_DEPRIORITIZE is
+    # computed by each request of one batch, but cached for a later one).
     args = [{"question": q} for q in ("Is the sky blue on a clear day?", "Do fish need water to live?",
-                                      "Is it going to rain tomorrow in London?")]
+                                      "Will it rain tomorrow in London?")]
+    turns = engine.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                  {"role": "user", "content": "\x00"}], tokenize=False)
     computed = {}
     for mode in ("interpreted", "compiled"):
         engine.flush_cache()
-        engine.generate(engine.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}],
-                                                             tokenize=False), {"max_new_tokens": 0})
+        engine.generate(turns[:turns.index("\x00")], {"max_new_tokens": 0})
         before = engine.stats()["computed_tokens"]
         states = (pick if mode == "interpreted" else compiled).run_batch(args, backend=backend, temperature=0)
         computed[mode] = engine.stats()["computed_tokens"] - before

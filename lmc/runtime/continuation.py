@@ -21,7 +21,9 @@ decided by the step's method (lmc.protocol.decide); the chosen choice is the tex
 - otherwise (`select`), by one child request per choice (text + choice, prefill only, logprobs from two tokens
   before the text's end), queued by the scheduler itself: the parent puts its computed KV into the radix tree
   (keeping it) and waits, parked, while the children share that prefix; their logprobs decide, and the parent
-  goes on with its KV. A select as a chain's first step runs the same way after the prompt's prefill.
+  goes on with its KV. A select as a chain's first step queues its children as the request arrives, with no
+  prefill of the prompt of its own (which would compute the prompt's end once more than the step-by-step
+  select's requests, which share the prompt in their batch): the children share it in theirs.
 A next prompt past the context ends the chain there: the result's `stopped_at` names the first step not run,
 which the caller runs its usual way.
 
@@ -128,12 +130,13 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
 
 def start(r: Req, tokenizer, chain: Chain) -> None:
     """Point a new request at its chain's first step (its input ids are the encoded prompt). A first step that
-    is a select of multi-token choices is preceded by a prefill of the prompt, whose end queues the choices."""
+    is a select of multi-token choices (`at` -1) queues its choices' children as the scheduler adds r (r holds no
+    KV: the children compute the prompt, sharing it in their batch)."""
     r.chain = chain
     step = chain.steps[0]
     if step.choices is not None and single_tokens(tokenizer, chain.text, r.input_ids, step):
         r.params = select_params(r.input_ids, step)
-    elif step.choices is not None:  # the prompt's prefill first (`at` -1), then the children of step 0
+    elif step.choices is not None:  # the children of step 0, queued by Scheduler.add (advance from `at` -1)
         r.params = SamplingParams(max_new_tokens=0)
         chain.at, chain.text = -1, ""
     else:
@@ -171,7 +174,7 @@ class Continuation:
         chain, s = r.chain, self.s
         if reason.get("type") not in ("stop", "length"):
             return False  # aborted or failed: the call did not finish (its partial output is the request's result)
-        if chain.at < 0:  # the prompt's prefill before a first select: no step of the caller's
+        if chain.at < 0:  # a first select's children not queued yet: no step of the caller's ran
             seg = {"text": ""}
         else:
             seg, chain.scored = chain.scored or self.segment(r, reason, text), None

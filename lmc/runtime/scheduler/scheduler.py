@@ -130,6 +130,13 @@ class Scheduler:
 
     # ---- front ---------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        if req.chain is not None and req.chain.at < 0:
+            # A chain whose first step is a select of multi-token choices: its choices' requests are queued now and
+            # share the prompt in their batch (continuation.py); no prefill of the prompt of its own.
+            if not self._continuation.advance(req, {"type": "stop"}, ""):
+                self.finish(req, {"type": "length", "length": 0})  # a choice's prompt is past the context
+                self._early.append(req)
+            return
         try:
             if req.grammar is not None and req.params.max_new_tokens > 0 and self._jump_forward(req) == "finished":
                 if req.finished:  # the grammar forced the whole output: no forward needed
