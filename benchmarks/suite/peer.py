@@ -206,13 +206,15 @@ def _group_alive(pgid: int) -> bool:
     return any(int(g) == pgid and not st.startswith("Z") for g, st in (r.split() for r in rows if r.strip()))
 
 
-if __name__ == "__main__":  # a long-lived peer server for LMC_PEER_URL: runs until interrupted
+if __name__ == "__main__":  # a long-lived peer server for LMC_PEER_URL: runs until SIGINT or SIGTERM
     import sys
 
     sys.path.insert(0, str(ROOT))
     from lmc.runtime.model.loader import resolve
 
-    srv = VLLMServer(resolve("smollm2-135m-instruct").tokenizer_dir, log_path=sys.argv[1] if len(sys.argv) > 1 else None).start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that `finally` stops vLLM's process group too
+    srv = VLLMServer(resolve("smollm2-135m-instruct").tokenizer_dir,
+                     log_path=sys.argv[1] if len(sys.argv) > 1 else None).start()
     print(f"LMC_PEER_URL={srv.base_url}  (started in {srv.start_seconds:.0f} s)", flush=True)
     try:
         signal.pause()
