@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,9 +29,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chain program and the request counter live there
 sys.path.insert(0, HERE)
 
-from lmc.backend.endpoint import _httpx  # noqa: E402
 from programs_support import CountedEndpoint, chain  # noqa: E402
-from record import SHARED_MACHINE_NOTE, exact, finish, provenance, spread  # noqa: E402
+from record import SHARED_MACHINE_NOTE, exact, finish, jsonable, provenance, spread  # noqa: E402
+from serving_bench import LmcServer  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -51,46 +50,12 @@ def workloads():
 TARGETS = {"chain6": 0.6, "tree_of_thought": 0.8, "judge": 0.8, "react_agent": 0.8}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, *flags: str) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.path.join(HERE, "..")}
-    proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", MODEL, "--port", str(port),
-                             "--log-level", "warning", *flags], env=env, stdout=subprocess.DEVNULL)
-    httpx = _httpx()
-
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lmc serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError("lmc serve did not come up")
-
-
-def _jsonable(v):
-    try:
-        json.dumps(v)
-        return v
-    except (TypeError, ValueError):
-        return repr(v)
-
-
 def one(prog, args, ep, compiled) -> tuple[float, int, dict]:
     before = CountedEndpoint.requests
     t0 = time.perf_counter()
     state = (compiled.run if compiled is not None else prog.run)(**args, backend=ep, temperature=0)
     dt = time.perf_counter() - t0
-    return dt, CountedEndpoint.requests - before, {k: _jsonable(v) for k, v in state.variables().items()}
+    return dt, CountedEndpoint.requests - before, {k: jsonable(v) for k, v in state.variables().items()}
 
 
 WAYS = ("interpreted", "compiled", "compiled_no_continuation")
@@ -103,11 +68,14 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     a = ap.parse_args()
     prov = provenance("benchmarks/programs_bench.py", SHARED_MACHINE_NOTE)
-    ports = _free_port(), _free_port()
-    procs = [start_server(ports[0]), start_server(ports[1], "--disable-continuation")]
+    logs = [os.path.join(tempfile.gettempdir(), f"programs_bench_{w}.log") for w in ("on", "off")]
+    servers = [LmcServer(logs[0], ("--log-level", "warning")),
+               LmcServer(logs[1], ("--log-level", "warning", "--disable-continuation"))]
     results = {}
     try:
-        on, off = (CountedEndpoint(f"http://127.0.0.1:{p}") for p in ports)
+        for srv in servers:
+            srv.start()
+        on, off = (CountedEndpoint(srv.base_url[:-len("/v1")]) for srv in servers)
         for name, (prog, args) in workloads().items():
             if a.only and name not in a.only:
                 continue
@@ -142,10 +110,8 @@ def main() -> None:
         on.shutdown()
         off.shutdown()
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
+        for srv in servers:
+            srv.stop()
     out = {"provenance": finish(prov), "model": MODEL, "reps": a.reps, "workloads": results,
            "note": "ratio = compiled over /v1/programs / interpreted over RuntimeEndpoint, per repetition; "
                    "continuation_ratio = compiled / compiled on a server with --disable-continuation; one instance "

@@ -41,7 +41,7 @@ for p in (ROOT, HERE, os.path.join(HERE, "suite"), os.path.join(ROOT, "examples"
 
 import lmc  # noqa: E402
 from lmc.backend.endpoint import RuntimeEndpoint  # noqa: E402
-from record import SHARED_MACHINE_NOTE, finish, provenance, spread  # noqa: E402
+from record import SHARED_MACHINE_NOTE, finish, jsonable, provenance, spread  # noqa: E402
 from serving_bench import LmcServer  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "programs_load.json")
@@ -86,14 +86,6 @@ def stream(progs: dict, rate: float, n: int, seed: int) -> list[tuple[float, str
     return out
 
 
-def _jsonable(v):
-    try:
-        json.dumps(v)
-        return v
-    except (TypeError, ValueError):
-        return repr(v)
-
-
 def run_stream(items, progs, compiled: dict, backend, use_compiled: bool, timeout: float) -> dict:
     """Start each instance at its arrival time (a thread each); returns the run's figures and variables."""
     done = [None] * len(items)
@@ -104,7 +96,7 @@ def run_stream(items, progs, compiled: dict, backend, use_compiled: bool, timeou
         prog = compiled[name] if use_compiled else progs[name][0]
         try:
             state = prog.run(**args, backend=backend, temperature=0)
-            variables[i] = {k: _jsonable(v) for k, v in state.variables().items()}
+            variables[i] = {k: jsonable(v) for k, v in state.variables().items()}
         except Exception as e:  # recorded, not hidden: a failed instance fails the run
             errors.append(f"{name}: {type(e).__name__}: {e}")
         done[i] = time.perf_counter()

@@ -7,6 +7,7 @@ machine's load, since the machines these run on are shared and a number without 
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -48,3 +49,12 @@ def finish(prov: dict) -> dict:
 
 SHARED_MACHINE_NOTE = ("2-core machine shared with other engineers' jobs while this ran: absolute times move "
                        "with their load (see load_avg_1m_*); systems alternate within each repetition")
+
+
+def jsonable(v):
+    """v itself where JSON can hold it, else its repr (a program variable of any type, for an outputs check)."""
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return repr(v)
