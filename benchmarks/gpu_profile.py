@@ -250,7 +250,8 @@ def main():
             json.dump(res, f, indent=1)
         fs = res["few_shot"]
         print(f"few-shot: {fs['programs_s']} programs/s, forwards {fs['forwards']}, GPU kernels "
-              f"{fs.get('gpu_kernel_ms', 0):.1f} ms of {fs.get('profiled_ms', 0):.1f}, busy {fs.get('gpu_busy_share', 1):.0%}")
+              f"{fs.get('gpu_kernel_ms', 0):.1f} ms of {fs.get('profiled_ms', 0):.1f}, "
+              f"busy {fs.get('gpu_busy_share', 1):.0%}")
         for k in fs.get("top_kernels", [])[:10]:
             print(f"   {k['ms']:.2f} ms  {k['name']}")
     eng.shutdown()
