@@ -85,12 +85,13 @@ def lmc_logits(eng, seqs, lens, steps, dev):
     b = BatchBuilder()
     for r, k in zip(reqs, lens):
         b.add(r, 0, k, alloc.alloc(k), True)
-    out = [runner.launch(b.build([])).forward.result()[0]]
+    out = [runner.launch(b.build([])).forward.result()[0].clone()]
     kv = list(lens)
     rows = torch.tensor([r.row for r in reqs], device=dev)
     for _ in range(steps - 1):  # a decode step reads its input ids from the token buffer: force them there
         runner.token_buf[rows] = torch.tensor([s[k] for s, k in zip(seqs, kv)], device=dev)
-        out.append(runner.launch(decode_batch(reqs, kv, alloc.alloc(n), [])).forward.result()[0])
+        # .clone(): a replay's logits are the CUDA graph's buffer, which the next replay overwrites
+        out.append(runner.launch(decode_batch(reqs, kv, alloc.alloc(n), [])).forward.result()[0].clone())
         kv = [k + 1 for k in kv]
     with torch.inference_mode(False):  # the rebuilt host tables are written later by the scheduler thread, which
         eng.scheduler.reset()  # runs outside inference mode: inference tensors there would fail its first step

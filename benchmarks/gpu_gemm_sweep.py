@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lmc.runtime.kernels.skinny_gemm import skinny_gemm  # noqa: E402
+from lmc.runtime.kernels.skinny_gemm import CONFIGS as TABLE, _block_m, skinny_gemm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "llama-2-7b qkv": (12288, 4096), "llama-2-7b o": (4096, 4096), "llama-2-7b gate_up": (22016, 4096),
@@ -27,6 +27,9 @@ SHAPES = {  # name: (N, K)
 }
 CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((16, 32, 64), (128, 256, 512),
                                                                     ((4, 3), (4, 5), (8, 4)))]
+# --split: split-K tiles (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K), for the shapes with few output tiles.
+SPLIT_CONFIGS = [(bn, bk, 4, st, sk) for bn, (bk, st), sk in itertools.product((32, 64, 128), ((128, 4), (256, 3)),
+                                                                               (1, 2, 4, 8))]
 
 
 def copy_bandwidth() -> float:
@@ -68,10 +71,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--split", action="store_true", help="sweep the split-K tiles (SPLIT_CONFIGS) instead")
     args = ap.parse_args()
+    configs = SPLIT_CONFIGS if args.split else CONFIGS
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bw, "shapes": []}
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), [int(x) for x in args.ms.split(",")]):
+    for (name, (n, k)), m in itertools.product(shapes.items(), [int(x) for x in args.ms.split(",")]):
         copies = max(4, -(-(512 << 20) // (n * k * 2)))  # >= 512 MiB of weights: far past the 60 MB L2
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -79,7 +86,8 @@ def main():
         row = {"shape": name, "N": n, "K": k, "M": m, "floor_us": floor,
                "cublas_us": per_call_us(lambda x, w: F.linear(x, w), xs, ws), "triton": []}
         ref = F.linear(xs[0], ws[0]).float()
-        for cfg in CONFIGS:
+        current = TABLE.get((_block_m(m), n, k))  # the table's tile too, so a sweep's best never loses to it
+        for cfg in configs + ([current] if current is not None and current not in configs else []):
             try:
                 err = ((skinny_gemm(xs[0], ws[0], cfg).float() - ref).norm() / ref.norm()).item()
                 t = per_call_us(lambda x, w, cfg=cfg: skinny_gemm(x, w, cfg), xs, ws)

@@ -130,7 +130,85 @@ def profile_batch(eng, cfg, dev, batch, prompt_len, steps) -> dict:
         if not str(e.device_type).endswith("CUDA"):
             host[e.key] = e.self_cpu_time_total
     out["top_host_ops_self_ms_per_step"] = [{"name": k[:80], "ms": v / 1e3 / steps} for k, v in host.most_common(15)]
+    out["graph_replay_ms"] = graph_replay_ms(eng, batch, dev)
     return out
+
+
+@torch.inference_mode()
+def graph_replay_ms(eng, batch, dev, n=50):
+    """The decode graph of `batch`'s bucket replayed back to back, nothing else queued (its static buffers hold
+    the last step of the generate before): the step's GPU time with the in-graph launch gaps, without the
+    host's part and the work outside the graph. Wall step time minus this is what the host and the kernels
+    outside the graph cost. Flushes the cache afterwards (the replays wrote the last step's slots again)."""
+    graphs = eng.runner.graphs
+    if graphs is None or dev.type != "cuda":
+        return None
+    g = graphs.graphs[next(b for b in sorted(graphs.graphs) if b >= batch)]
+    g.replay()
+    sync(dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    eng.flush_cache()
+    return start.elapsed_time(end) / n
+
+
+@torch.inference_mode()
+def profile_few_shot(eng, cfg, dev, programs=128, prefix_len=1200, unique=60, new=8) -> dict:
+    """gpu_bench's few-shot workload (one shared prefix, `programs` prompts, `new` greedy tokens each): programs/s
+    (3 runs) and, from one profiled run, GPU kernel time by kernel, the GPU's busy share of the run and the
+    engine's forward counts. Where the time goes when the GPU is not the limit: the busy share says it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, cfg.vocab_size, (prefix_len,), generator=g).tolist()
+    progs = [prefix + torch.randint(3, cfg.vocab_size, (unique,), generator=g).tolist() for _ in range(programs)]
+    gen(eng, progs[:4], new)  # warm-up
+
+    def run():
+        eng.flush_cache()
+        return time_call(lambda: gen(eng, progs, new), dev)
+
+    run()
+    out = {"programs": programs, "programs_s": sorted(programs / run() for _ in range(3))}
+    eng.flush_cache()
+    before = dict(eng.stats())
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen(eng, progs, new)
+        sync(dev)
+    after = eng.stats()
+    out["forwards"] = {k: after[k] - before[k] for k in ("prefill_forwards", "decode_forwards", "computed_tokens",
+                                                          "cached_tokens")}
+    kern = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if str(e.device_type).endswith("CUDA")]
+    if kern:
+        t0, t1 = min(k[0] for k in kern), max(k[1] for k in kern)
+        per = Counter()
+        for s_, e_, n in kern:
+            per[n] += e_ - s_
+        out["profiled_ms"] = (t1 - t0) / 1e3
+        out["gpu_kernel_ms"] = sum(per.values()) / 1e3
+        out["gpu_busy_share"] = busy_share([(a, b) for a, b, _ in kern], t0, t1)
+        out["top_kernels"] = [{"name": n[:100], "ms": t / 1e3} for n, t in per.most_common(12)]
+    return out
+
+
+def apply_sweep(path: str) -> None:
+    from lmc.runtime.kernels import skinny_gemm
+
+    with open(path) as f:
+        rows = json.load(f)["shapes"]
+    for r in rows:
+        key = (skinny_gemm._block_m(r["M"]), r["N"], r["K"])
+        if r["best"]["us"] < 0.98 * r["cublas_us"]:
+            skinny_gemm.CONFIGS[key] = tuple(r["best"]["config"])
+        else:
+            skinny_gemm.CONFIGS.pop(key, None)
+        print("skinny config", key, skinny_gemm.CONFIGS.get(key), f"{r['best']['us']:.1f} us against cuBLAS "
+              f"{r['cublas_us']:.1f}", flush=True)
 
 
 def main():
@@ -142,13 +220,19 @@ def main():
     ap.add_argument("--kv-tokens", type=int, default=81920)  # batch 256 x 288 tokens fits
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape: checks the script")
+    ap.add_argument("--few-shot", action="store_true", help="also profile gpu_bench's few-shot workload")
+    ap.add_argument("--skinny-configs", default=None,
+                    help="a gpu_gemm_sweep.py output: use its best tile per shape where it beat cuBLAS by 2%% "
+                         "(tries a sweep's tiles before they are written into skinny_gemm.CONFIGS)")
     args = ap.parse_args()
+    if args.skinny_configs:
+        apply_sweep(args.skinny_configs)
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         args.shape, args.prompt_len, args.steps, args.kv_tokens = "tiny", 16, 3, 4096
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     cfg, hf, eng = build(args.shape, dev, torch.float32 if args.smoke else torch.bfloat16, args.kv_tokens, "auto",
-                         max(batches))
+                         max(batches + [256 if args.few_shot else 1]))  # few-shot decodes at batch 128
     del hf
     res = {"shape": args.shape, "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
            "paths": {"attention": type(eng.runner.attn).__name__, "cuda_graphs": eng.runner.graphs is not None,
@@ -160,13 +244,24 @@ def main():
         res["batches"].append(profile_batch(eng, cfg, dev, b, args.prompt_len, args.steps))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    if args.few_shot:
+        res["few_shot"] = profile_few_shot(eng, cfg, dev, *((8, 100, 12, 4) if args.smoke else ()))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        fs = res["few_shot"]
+        print(f"few-shot: {fs['programs_s']} programs/s, forwards {fs['forwards']}, GPU kernels "
+              f"{fs.get('gpu_kernel_ms', 0):.1f} ms of {fs.get('profiled_ms', 0):.1f}, "
+              f"busy {fs.get('gpu_busy_share', 1):.0%}")
+        for k in fs.get("top_kernels", [])[:10]:
+            print(f"   {k['ms']:.2f} ms  {k['name']}")
     eng.shutdown()
     print(json.dumps(res["paths"]))
     for r in res["batches"]:
         print(f"batch {r['batch']}: wall on {r['wall_ms_per_step_overlap_on']} off {r['wall_ms_per_step_overlap_off']}"
               f" | gpu kernels {r['gpu_kernel_ms_per_step']:.3f} ms/step, window {r['profiled_window_ms_per_step']:.3f},"
               f" busy {r['gpu_busy_share_of_window']:.0%}, launches {r['launches_per_step']:.0f}, same tokens "
-              f"{r['greedy_tokens_equal_overlap_on_off']}, calls {r['calls_during_generate']}")
+              f"{r['greedy_tokens_equal_overlap_on_off']}, graph replay alone {r['graph_replay_ms']} ms, "
+              f"calls {r['calls_during_generate']}")
         for k in r["top_kernels"][:12]:
             print(f"   {k['ms_per_step']:.4f} ms x{k['per_step']:.0f}  {k['name']}")
         for h in r["top_host_ops_self_ms_per_step"][:8]:

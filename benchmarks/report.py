@@ -311,7 +311,7 @@ def render_gpu_bench(r: dict, _dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-@section("h200_pytest.json")
+@section("h200_pytest*.json")  # the whole suite, and the GPU-relevant files (h200_pytest_gpu.json)
 def render_h200_pytest(r: dict, _dir: Path) -> str:
     t = r["total"]
     rows = [[f, str(c.get("passed", 0)), str(c.get("failed", 0)), str(c.get("error", 0)), str(c.get("skipped", 0))]

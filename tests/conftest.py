@@ -16,10 +16,12 @@ API_KEY = "sk-test-key"
 
 @pytest.fixture(scope="session")
 def engine():
-    """One engine on the embedded model for the whole session, checking slot accounting after every step."""
+    """One engine on the embedded model for the whole session, checking slot accounting after every step. In fp32
+    on every device (the CPU's default; on a GPU the default is bf16): the suite compares with transformers in
+    fp32."""
     from lmc.runtime import Engine
 
-    eng = Engine(MODEL, check_invariants=True)
+    eng = Engine(MODEL, dtype="float32", check_invariants=True)
     yield eng
     eng.shutdown()
 

@@ -40,6 +40,8 @@ def test_graph_replay_equals_eager(gpu_engines, batch):
     assert got_ids == want_ids
     for a, b in zip(got_lp, want_lp):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    # Without logprobs sampling reads the graph's logits buffer in place (no copy): the same tokens.
+    assert [r["output_ids"] for r in graphs.generate(input_ids=ps, sampling_params=PARAMS)] == want_ids
 
 
 def test_overlap_on_and_off_give_the_same_greedy_tokens(gpu_engines):

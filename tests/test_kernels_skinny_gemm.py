@@ -34,6 +34,21 @@ def test_skinny_gemm_matches_a_float64_product(dtype, tol, m, n, k, config):
     assert rel(y, x.double() @ w.double().T) < tol
 
 
+@pytest.mark.parametrize("m,n,k,config", [(1, 48, 64, (16, 32, 4, 2, 2)), (5, 70, 200, (32, 32, 4, 2, 3)),
+                                          (17, 33, 128, (16, 32, 4, 2, 4)), (3, 40, 96, (16, 64, 4, 2, 8))])
+def test_split_k_matches_a_float64_product_and_leaves_its_counters_zero(m, n, k, config):
+    """Split K: a partial last split (200 = 3 x 64 + 8), M past one tile (17), more splits asked than K blocks
+    (96 has 2 blocks of 64: 2 splits run). Twice in a row: the second launch finds the tile counters reset."""
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    for seed in (0, 2):
+        x, w = rand(m, k, dtype=torch.float32, dev=dev, seed=seed), rand(n, k, dtype=torch.float32, dev=dev,
+                                                                           seed=seed + 1)
+        y = sg.skinny_gemm(x, w, config)
+        assert y.shape == (m, n) and torch.isfinite(y).all()
+        assert rel(y, x.double() @ w.double().T) < 1e-5
+        assert not sg._counters[y.device].any()
+
+
 def test_skinny_gemm_rejects_what_it_cannot_serve():
     dev = kernel_device(sg._skinny_gemm_kernel)
     w = torch.zeros(8, 32, device=dev)
@@ -66,7 +81,25 @@ def test_linears_at_real_shapes_on_gpu(shape, m):
     c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
     d, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = d // c["num_attention_heads"]
-    for n, k in [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, d), (2 * inter, d), (d, inter),
-                 (vocab, d)]:
+    for n, k in [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, d), (d, d), (2 * inter, d),
+                 (d, inter), (vocab, d)]:
         x, w = rand(m, k, dtype=dt, dev=dev, seed=4) * 0.1, rand(n, k, dtype=dt, dev=dev, seed=5) * 0.1
         assert rel(kernels.linear(x, w), F.linear(x, w)) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_split_k_replayed_in_a_cuda_graph_gives_the_eager_result():
+    """The counters come from the warm-up and the kernel resets them: each replay on new inputs equals an eager
+    launch exactly (the partials are summed in split order, whichever split finishes last)."""
+    dev, dt, cfg = torch.device("cuda"), torch.bfloat16, (64, 128, 4, 4, 4)
+    x, w = rand(1, 4096, dtype=dt, dev=dev, seed=6), rand(4096, 4096, dtype=dt, dev=dev, seed=7)
+    sg.skinny_gemm(x, w, cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = sg.skinny_gemm(x, w, cfg)
+    for seed in (8, 9, 10):
+        x.copy_(rand(1, 4096, dtype=dt, dev=dev, seed=seed))
+        g.replay()
+        assert torch.equal(y, sg.skinny_gemm(x, w, cfg))
+        assert rel(y, x.double() @ w.double().T) < 1e-2

@@ -9,7 +9,8 @@ from lmc.runtime import Engine  # noqa: E402
 
 @pytest.fixture(scope="module")
 def triton_engine():
-    eng = Engine(attention_backend="triton", max_total_tokens=2048, check_invariants=True)
+    # fp32 as the session engine it is compared with (conftest), on a GPU too
+    eng = Engine(attention_backend="triton", dtype="float32", max_total_tokens=2048, check_invariants=True)
     yield eng
     eng.shutdown()
 

@@ -65,7 +65,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
                seq_lens: torch.Tensor) -> torch.Tensor:
-        """All arguments are [n] device tensors of one decode step. Returns its [n, V] logits (a copy)."""
+        """All arguments are [n] device tensors of one decode step. Returns its [n, V] logits: a view of the graph's
+        static buffer, valid until the next replay. Work queued on the stream before that replay (the step's
+        sampling) may read it in place; a reader after it (logprobs, read when the step is collected) needs the
+        copy that ModelRunner.launch takes for such steps."""
         n = len(ids)
         bs = next(b for b in sorted(self.graphs) if b >= n)
         self.ids[:n].copy_(ids)
@@ -78,4 +81,4 @@ class DecodeGraphs:
         self.rows[n:bs], self.seq_lens[n:bs] = DUMMY_ROW, 1
         self.runner.attn.prepare_replay(self.batches[bs], n)
         self.graphs[bs].replay()
-        return self.logits[bs][:n].clone()  # the static buffer is overwritten by the next replay
+        return self.logits[bs][:n]

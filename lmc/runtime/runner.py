@@ -152,6 +152,11 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
     return r.input_ids[lo:hi] + r.output_ids[:max(0, hi - n)]
 
 
+def _own_logits(forward: Future) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, sample_rows = forward.result()
+    return logits.clone(), sample_rows
+
+
 class _Inline:
     """Device work run at once on the calling thread; errors are kept in the future (raised by collect)."""
 
@@ -311,7 +316,12 @@ class ModelRunner:
                                  len(tw_cols), len(sb.out_slots), len(tw_rows)]
         shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots))
         forward = self._forward if self.tp is None else partial(self.tp.run_step, self._forward)
-        return Launch(sb, sampled, spans, self._work.submit(forward, host, sizes, shape))
+        fut = self._work.submit(forward, host, sizes, shape)
+        if sb.is_decode and sb.logprob_reqs and self.graphs is not None:
+            # A replay's logits are the graph's buffer, which the next step's replay (launched before this step
+            # is collected, under overlap) overwrites; sampling reads them before it, logprobs after.
+            fut = self._work.submit(_own_logits, fut)
+        return Launch(sb, sampled, spans, fut)
 
     @torch.inference_mode()
     def _forward(self, host: torch.Tensor, sizes: list[int], shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,11 @@ _DECODE_MAX_SPLITS = 64
 _DECODE_MIN_BLOCK_H = 16
 
 
-def _extend_config(row_bytes: int):
+def _extend_config(row_bytes: int, max_extend_len: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a K/V row of ``row_bytes``.
+
+    Extends of at most 64 tokens (a program's few new tokens on a long cached prefix) take 64-row query tiles
+    whatever the row: 128-row tiles would leave half of every tile padding.
 
     Measured on an H200 (bf16, 32 q / 8 kv heads, one causal 4k-16k chunk):
     for D=64, 64x64 tiles with 4 warps ran at 290-330 TFLOP/s (8 warps: <230);
@@ -41,7 +44,7 @@ def _extend_config(row_bytes: int):
     for 128x64 or 64x64 tiles. Wider rows (fp32 D=128, D > 128) get small tiles
     so that q and the pipelined K/V tiles still fit in shared memory.
     """
-    if row_bytes <= 128:
+    if row_bytes <= 128 or (max_extend_len <= 64 and row_bytes <= 256):
         return 64, 64, 4, 3
     if row_bytes <= 256:
         return 128, 128, 8, 3
@@ -69,7 +72,16 @@ def _decode_config(programs: int, row_bytes: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc):
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b, fp32 operands (IEEE) in full precision as torch's fp32 attention computes (Triton's default for them
+    is tf32, ~5e-3 off): an fp32 engine on the GPU then agrees with transformers in fp32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
     """Fold one block of log2-scaled, already-masked scores ``qk`` [M, N] and
     values ``v`` [N, D] into the running max ``m_i``, sum ``l_i`` and ``acc``."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -78,7 +90,7 @@ def _online_softmax_step(qk, v, m_i, l_i, acc):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
@@ -89,7 +101,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,8 +138,8 @@ def _extend_kernel(
                     mask=d_mask[None, :], other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
                     mask=d_mask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     # The rest, up to this block's last real query, straddles the diagonal.
     kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, extend_len)
@@ -140,10 +152,10 @@ def _extend_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(
@@ -162,12 +174,12 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse,
+    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
     qk_scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
-    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
+    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -205,18 +217,22 @@ def _decode_stage1_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
-    # Store the split's normalized output and its log2-sum-exp; stage 2
-    # reweights splits by exp2(lse - max lse).
-    tl.store(
-        PartAcc + b * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :],
-        acc / l_i[:, None],
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+    if NUM_SPLITS == 1:  # the whole sequence: the output itself, and no stage 2
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(O.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # Store the split's normalized output and its log2-sum-exp; stage 2
+        # reweights splits by exp2(lse - max lse).
+        tl.store(
+            PartAcc + b * stride_pab + heads[:, None] * stride_pah + split * stride_pas + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
@@ -293,7 +309,7 @@ def extend_attention(
     _check_inputs(q, k_buf, v_buf, req_to_token)
     num_heads, head_dim = q.shape[1:]
     block_d = _block_d(head_dim)
-    block_m, block_n, num_warps, num_stages = _extend_config(block_d * q.element_size())
+    block_m, block_n, num_warps, num_stages = _extend_config(block_d * q.element_size(), max_extend_len)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid = (rows.shape[0], num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
@@ -302,7 +318,7 @@ def extend_attention(
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         o.stride(0), o.stride(1), req_to_token.stride(0),
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o
@@ -339,7 +355,9 @@ def decode_attention(
     Stage 1 runs one program per (request, KV head, split): it loads each K/V
     tile once for all query heads of the group and writes that split's
     normalized output and log-sum-exp to fp32 scratch. Stage 2 merges the
-    splits per (request, query head).
+    splits per (request, query head). With one split (a batch of enough
+    requests to fill the GPU unsplit) stage 1 writes the output and stage 2
+    does not run.
     """
     _check_inputs(q, k_buf, v_buf, req_to_token)
     batch, num_heads, head_dim = q.shape
@@ -355,20 +373,27 @@ def decode_attention(
         _DECODE_MAX_SPLITS,
     ))
 
-    part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:  # stage 1 writes o itself (batched decode: enough programs without splitting)
+        part_acc, part_lse = o.unsqueeze(2), o[:, :, 0]  # unused: stand-ins with the right number of strides
 
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
+        o.stride(0), o.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if num_splits == 1:
+        return o
     _decode_stage2_kernel[(batch, num_heads)](
         part_acc, part_lse, o, seq_lens,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),

@@ -5,7 +5,9 @@ Why: a decode step reads every weight once, so each linear should run at the cop
 M = 1 on the H200 leaves some shapes far from it (llama-2-7b's fused QKV, N = 12,288: 96 tiles of 128 columns for
 132 SMs, ~1.8 TB/s against 4.25), and its split-K variants add a reduction launch. Here one program computes a
 [BLOCK_M, BLOCK_N] tile over all of K, with BLOCK_N small enough that every shape spreads over more programs
-than SMs, and Triton's software pipeline keeps `num_stages` weight tiles in flight per program.
+than SMs, and Triton's software pipeline keeps `num_stages` weight tiles in flight per program. Where N is too
+narrow for that (N = 4096: o_proj, down), SPLIT_K programs share a tile's K range and the last of them to finish
+sums their fp32 partials: one launch, where cuBLAS's split-K adds a reduction kernel.
 
 Invariants: x and W have unit stride in K; y is a fresh contiguous [M, N] in x's dtype; accumulation in fp32 (the
 rounding differs from cuBLAS's by the summation order only). M is at most MAX_M; larger batches are not skinny
@@ -21,25 +23,32 @@ MAX_M = 64
 
 
 @triton.jit
-def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
+    each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
+    split that counts last sums the partials in split order (so the result is the same whichever is last), writes
+    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    k_lo = pid_s * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
-            k_mask = (k + offs_k) < K
+            k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if IEEE:  # fp32 operands: full precision, as F.linear in fp32 (Triton's default would be tf32)
@@ -48,8 +57,21 @@ def _skinny_gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    mn_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mn_mask)
+    else:
+        mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(P + pid_s * M * N + mn, acc, mask=mn_mask)
+        tile = C + pid_m * tl.num_programs(0) + pid_n
+        # acq_rel: this split's partial is visible before its count, and the last split sees every partial.
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(P + s * M * N + mn, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mn_mask)
+            tl.atomic_xchg(tile, 0)
 
 
 def _block_m(m: int) -> int:
@@ -58,12 +80,15 @@ def _block_m(m: int) -> int:
 
 # (BLOCK_M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): the shapes where this kernel beat cuBLAS by more than
 # 2% in benchmarks/gpu_gemm_sweep.py on the H200 (2026-12-01, results/h200_probe/gemm_sweep.json; per-call time in a
-# replayed graph over weights 8x the L2). Elsewhere cuBLAS runs (kernels.linear).
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (16, 12288, 4096): (64, 256, 4, 3),  # llama-2-7b qkv: 27.2 us against 28.1
+# replayed graph over weights 8x the L2; cuBLAS's time includes its split-K reduction kernel). Elsewhere cuBLAS runs
+# (kernels.linear). The split-K rows (a 5th entry) are from `gpu_gemm_sweep.py --split`
+# (results/h200_probe/gemm_sweep_split.json): N = 4096 has too few column tiles to fill the SMs unsplit.
+CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (16, 12288, 4096): (32, 128, 4, 4),  # llama-2-7b qkv: 26.5 us against 28.7 (the earlier 64x256 tile: 26.9)
+    (16, 4096, 4096): (32, 128, 4, 4, 2),  # llama-2-7b and llama-3-8b o_proj: 12.3 / 13.1 (floor 7.8)
     (16, 22016, 4096): (64, 128, 4, 3),  # llama-2-7b gate_up: 45.3 / 48.7
     (32, 22016, 4096): (64, 128, 4, 3),  # 47.7 / 50.0
-    (16, 4096, 11008): (32, 512, 4, 5),  # llama-2-7b down: 26.3 / 27.8
+    (16, 4096, 11008): (128, 128, 4, 4, 4),  # llama-2-7b down: 25.5 / 28.0 (the earlier unsplit 32x512: 26.3)
     (16, 32000, 4096): (64, 128, 4, 3),  # llama-2-7b lm_head: 64.7 / 69.2
     (32, 32000, 4096): (64, 128, 4, 3),  # 67.9 / 70.4
     (64, 32000, 4096): (64, 128, 4, 3),  # 68.8 / 73.0
@@ -74,17 +99,35 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (32, 128256, 4096): (64, 128, 4, 3),  # 251 / 264
     (64, 128256, 4096): (64, 128, 4, 3),  # 264 / 285
 }
-def config_for(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+
+
+def config_for(m: int, n: int, k: int) -> tuple[int, ...] | None:
     """The measured tile for an [m, k] x [k, n] product, or None where cuBLAS is the faster choice (or m > MAX_M)."""
     if m > MAX_M or m < 1:
         return None
     return CONFIGS.get((_block_m(m), n, k))
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tile counters of `device`: zeros, kept zero by the kernel itself. Allocated (or grown) on first
+    use, which is a warm-up forward before any CUDA-graph capture (cuda_graph.DecodeGraphs), so a captured graph
+    and every later launch share the same buffer."""
+    c = _counters.get(device)
+    if c is None or c.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemm's split-K counters must be allocated by a warm-up run before capture")
+        c = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); SPLIT_K (default 1) programs share each tile's
+    K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns)."""
     k = w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     m, n = x2.shape[0], w.shape[0]
@@ -95,10 +138,19 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
         raise ValueError(f"skinny_gemm serves at most {MAX_M} rows, got {m}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        block_n, block_k, warps, stages = config
+        block_n, block_k, warps, stages, *rest = config
+        split = rest[0] if rest else 1
         block_m = _block_m(m)
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        _skinny_gemm_kernel[grid](x2, w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m,
-                                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                                  IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split a whole number of K blocks
+        split = triton.cdiv(k, k_split)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+        if split > 1:
+            parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+            counters = _tile_counters(x.device, grid[0] * grid[1])
+        else:
+            parts = counters = y  # unused
+        _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
+                                  y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
+                                  num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], n)
