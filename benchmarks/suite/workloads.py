@@ -371,10 +371,11 @@ BUILDERS = {
 # 8 s, hellaswag 43 s, react 32 s, agents 1.6 s, tree_of_thought 11 s, skeleton 15 s, judge 16 s, json 15 s,
 # short chat 44 s, long chat 133 s, rag 6 s. Batching buys little on two cores (every system is compute-bound, the
 # radix-cache-off baseline recomputes every shared prefix, vLLM scores selects by echo without its cache), so a
-# run costs about that per program: 32-64 programs per workload would take hours. The one-program workloads cost
-# ~310 s of the ~330 s a run can have; the cheap ones share the rest. The data files hold more items (hellaswag
-# 64, mmlu 4 x 24, agents 48, the rest 16-32): a quieter machine or a longer budget should raise them with
-# --programs.
+# run costs about that per program: 32-64 programs per workload would take hours. The one-program workloads take
+# most of the ~380 s a run can have (the first recording's sizes: 3 runs in 19 minutes); doubling mmlu,
+# generative_agents and tree_of_thought adds ~75 s a run, which measuring latency in the first run only pays for.
+# The data files hold more items (hellaswag 64, mmlu 4 x 24, agents 48, the rest 16-32): a quieter machine or a
+# longer budget should raise them with --programs.
 SIZES = {
     "quick": {"mmlu": 2, "hellaswag": 2, "react": 1, "generative_agents": 5, "tree_of_thought": 1,
               "skeleton_of_thought": 1, "llm_judge": 1, "json_decode": 1, "multi_turn_chat_short": 1,
@@ -382,9 +383,9 @@ SIZES = {
     "small": {"mmlu": 6, "hellaswag": 4, "react": 2, "generative_agents": 10, "tree_of_thought": 2,
               "skeleton_of_thought": 2, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
               "multi_turn_chat_long": 1, "rag": 3},
-    "recorded": {"mmlu": 8, "hellaswag": 1, "react": 1, "generative_agents": 32, "tree_of_thought": 4,
+    "recorded": {"mmlu": 8, "hellaswag": 1, "react": 1, "generative_agents": 24, "tree_of_thought": 4,
                  "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 1, "multi_turn_chat_short": 1,
-                 "multi_turn_chat_long": 1, "rag": 8},
+                 "multi_turn_chat_long": 1, "rag": 6},
 }
 
 
