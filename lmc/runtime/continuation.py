@@ -12,7 +12,8 @@ outputs at temperature 0 equal the step-by-step ones. The KV of the longest comm
 tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
 leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
 the frontend, no admission, no prefix match. Only when the retokenization changed a token the radix tree already
-owns (or the request lost its KV, e.g. after a jump-forward) does it go back to the queue and re-match.
+owns (or the request lost its KV, e.g. after a jump-forward), or after a select its choices' children scored (the
+chosen child's KV in the tree reaches past the request's own), does it go back to the queue and re-match.
 
 A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
 decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
