@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import lmc
+
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "suite"
 sys.path.insert(0, str(SUITE))
 
@@ -80,6 +82,48 @@ def test_report_lists_the_variables_that_differ():
     rows = _suite_report()._differences(results, ["lmc", "vllm"])
     assert rows[-1] == '| json_decode | vllm | 1 | `a` | `"x"` | `"x\\|y"` |'  # only `a`; the pipe escaped
     assert len([r for r in rows if r.startswith("| json_decode")]) == 1
+
+
+@lmc.function
+def chained(s, topic):
+    """A chain of every kind of call: a gen, a multi-token select (scored by child requests), a single-token
+    select, a gen after it."""
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("fact", max_tokens=6, stop="\n")
+    s += "\nIs it true? " + lmc.select("true", choices=["yes indeed", "no way"])
+    s += "\nI rate it " + lmc.select("score", choices=["1", "2", "3"])
+    s += " out of 3.\nIn one word:" + lmc.gen("word", max_tokens=3)
+
+
+def test_engine_recorder_counts_a_chain_call_by_call(engine):
+    """With engine-side continuation, a compiled chain is one Req reset between its calls: the recorder sees each
+    call (a select's choices' children included) with its own prompt and cached tokens, which are the engine's
+    own per-call figures; the optimum holds above them, and call by call it is what the engine reached."""
+    from measure import EngineRecorder
+
+    assert engine.enable_continuation  # the engine's default, which the suite measures
+    be = lmc.Local(engine=engine)
+    compiled = chained.compile()
+    figures = {}
+    for continuation in (False, True):
+        engine.enable_continuation = continuation
+        try:
+            assert engine.flush_cache()
+            with EngineRecorder(engine) as rec:
+                st = compiled.run(topic="the moon", backend=be, temperature=0)
+            assert st.error() is None
+            figures[continuation] = rec.figures(), rec.calls, st
+        finally:
+            engine.enable_continuation = True
+    fig, calls, st = figures[True]
+    assert fig.calls["engine_calls"] == len(calls) == 1 + 2 + 1 + 1  # gen, 2 choice children, select, gen
+    word = st.get_meta_info("word")
+    assert calls[-1].cached_tokens == word["cached_tokens"] > 0  # the last gen kept the chain's KV
+    assert len(calls[-1].request.prompt) == word["prompt_tokens"]
+    assert fig.hit_rate <= fig.optimal.hit_rate + 1e-9
+    assert fig.hit_rate >= 0.97 * fig.optimal.hit_rate
+    off, _, st_off = figures[False]
+    assert st_off.variables() == st.variables()
+    assert fig.prompt_tokens == off.prompt_tokens  # the same calls, with the same prompts, as call by call
 
 
 def test_quick_run_of_one_workload(tmp_path):

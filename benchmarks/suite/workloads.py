@@ -364,15 +364,18 @@ BUILDERS = {
     "json_decode": json_workload, "multi_turn_chat_short": lambda n: chat(n, long=False),
     "multi_turn_chat_long": lambda n: chat(n, long=True), "rag": rag,
 }
-# Programs per workload in each named size. "recorded" is the recorded CPU run, which must end within 15 minutes
-# with every system (run.py --budget-min). Per program, all four systems and the latency pass summed, on 2026-12-01
-# at load 10-14 (other engineers' engines, servers and tests on the 2 cores): mmlu ~19 s, hellaswag ~73 s, react
-# ~58 s measured in a probe; the rest estimated at 15-110 s (the long chat ~210 s: 4 growing turns at batch 1) from
-# the earlier recording, scaled by the 2.5x slowdown those three showed. The radix-cache-off baseline costs 4-10x
-# lmc on the prefix-heavy ones and vLLM scores selects by echo without its cache. One run of all 11 workloads at one
-# program each is then an estimated ~12 minutes: these sizes give the cheap workloads a few programs and the
-# rest one, and the budget decides how many of the 3 runs fit. The data files hold more items (hellaswag 64, mmlu
-# 4 x 24, agents 48, the rest 16-32): a quieter machine should raise them with --programs.
+# Programs per workload in each named size. "recorded" is the recorded CPU run: 3 runs of every system plus the
+# ablation within one 22-minute command (run.py --budget-min 22, latency measured in the first run only). Measured
+# throughput pass, all four systems summed, per program (2026-12-01 18:10-18:35 UTC, load 6-9, one run at mmlu 16,
+# hellaswag 8, react 4, agents 48, tree_of_thought 8, skeleton 4, judge 8, json 4, chats 4 and 2, rag 16): mmlu
+# 8 s, hellaswag 43 s, react 32 s, agents 1.6 s, tree_of_thought 11 s, skeleton 15 s, judge 16 s, json 15 s,
+# short chat 44 s, long chat 133 s, rag 6 s. Batching buys little on two cores (every system is compute-bound, the
+# radix-cache-off baseline recomputes every shared prefix, vLLM scores selects by echo without its cache), so a
+# run costs about that per program: 32-64 programs per workload would take hours. The one-program workloads take
+# most of the ~380 s a run can have (the first recording's sizes: 3 runs in 19 minutes); doubling mmlu,
+# generative_agents and tree_of_thought adds ~75 s a run, which measuring latency in the first run only pays for.
+# The data files hold more items (hellaswag 64, mmlu 4 x 24, agents 48, the rest 16-32): a quieter machine or a
+# longer budget should raise them with --programs.
 SIZES = {
     "quick": {"mmlu": 2, "hellaswag": 2, "react": 1, "generative_agents": 5, "tree_of_thought": 1,
               "skeleton_of_thought": 1, "llm_judge": 1, "json_decode": 1, "multi_turn_chat_short": 1,
@@ -380,7 +383,7 @@ SIZES = {
     "small": {"mmlu": 6, "hellaswag": 4, "react": 2, "generative_agents": 10, "tree_of_thought": 2,
               "skeleton_of_thought": 2, "llm_judge": 2, "json_decode": 2, "multi_turn_chat_short": 2,
               "multi_turn_chat_long": 1, "rag": 3},
-    "recorded": {"mmlu": 4, "hellaswag": 1, "react": 1, "generative_agents": 12, "tree_of_thought": 2,
+    "recorded": {"mmlu": 8, "hellaswag": 1, "react": 1, "generative_agents": 24, "tree_of_thought": 4,
                  "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 1, "multi_turn_chat_short": 1,
                  "multi_turn_chat_long": 1, "rag": 6},
 }

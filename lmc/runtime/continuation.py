@@ -12,7 +12,8 @@ outputs at temperature 0 equal the step-by-step ones. The KV of the longest comm
 tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
 leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
 the frontend, no admission, no prefix match. Only when the retokenization changed a token the radix tree already
-owns (or the request lost its KV, e.g. after a jump-forward) does it go back to the queue and re-match.
+owns (or the request lost its KV, e.g. after a jump-forward), or after a select its choices' children scored (the
+chosen child's KV in the tree reaches past the request's own), does it go back to the queue and re-match.
 
 A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
 decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
@@ -143,6 +144,12 @@ def start(r: Req, tokenizer, chain: Chain) -> None:
         r.params, r.grammar = step.gen, step.grammar
 
 
+def ran_a_call(r: Req) -> bool:
+    """Whether r's end ends an LM call of its own: not a chain's select that its choices' children scored (they
+    ran the calls; r's ids are still its previous step's), nor a first select whose children never ran."""
+    return r.chain is None or (r.chain.at >= 0 and r.chain.scored is None)
+
+
 class Continuation:
     """The scheduler's side: on the end of a step's call, advance the request to its next step."""
 
@@ -174,6 +181,7 @@ class Continuation:
         chain, s = r.chain, self.s
         if reason.get("type") not in ("stop", "length"):
             return False  # aborted or failed: the call did not finish (its partial output is the request's result)
+        scored_by_children = chain.scored is not None
         if chain.at < 0:  # a first select's children not queued yet: no step of the caller's ran
             seg = {"text": ""}
         else:
@@ -200,7 +208,9 @@ class Continuation:
             params.logprob_start_len, len(ids))
         if start < len(ids):
             keep = min(keep, max(start - 1, 0))  # prompt logprobs are recorded from computed positions only
-        held = r.row >= 0 and keep >= r.cache_protected_len
+        # After a select its children scored, the chosen choice's child left text + choice in the tree, past r's own
+        # KV (the text): r re-matches rather than recompute the choice.
+        held = r.row >= 0 and keep >= r.cache_protected_len and not (scored_by_children and not s.memory.tree.disabled)
         if r in s.running:
             s.running.remove(r)
         if held:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..continuation import Continuation
+from ..continuation import Continuation, ran_a_call
 from ..core import Req
 from ..jump_forward import REQUEUE, JumpForwarder
 from ..runner import Launch, ModelRunner, ScheduledBatch, StepOutput
@@ -78,6 +78,9 @@ class Scheduler:
                       "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0, "failed_forwards": 0,
                       "failed_requests": 0, "recoveries": 0, "stale_entries": 0,
                       "continuations": 0}
+        # Called on the scheduler thread with (r, reason) as each LM call ends: a request's, a chain's step's, a
+        # select choice's child's; before a chain moves r on to its next step (benchmarks' per-call cache figures).
+        self.on_call_end = None
         self.reset()
 
     def reset(self) -> None:
@@ -388,6 +391,8 @@ class Scheduler:
         """r's call ended with `reason`. A chain request with a next step goes on to it instead (continuation.py);
         else r is finished and gives up its KV."""
         text = self._output_text(r, reason)
+        if self.on_call_end is not None and ran_a_call(r):
+            self.on_call_end(r, reason)
         if r.chain is not None and self._continuation.advance(r, reason, text):
             return
         r.finished, r.finish_reason = True, reason
