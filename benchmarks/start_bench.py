@@ -108,8 +108,7 @@ def main() -> None:
                     "max_logprob_diff": max(c["max_logprob_diff"] for c in checks), "tolerance": LOGPROB_TOL,
                     "against": "the first eager run: 4 prompts of 24 random tokens, 16 greedy tokens each"},
         "note": ("start_s: seconds from the child interpreter's first statement to Engine ready; process_s: the "
-                 "parent's wall time around the whole child (start, the checks and decode timing, exit). "
-                 + SHARED_MACHINE_NOTE),
+                 "parent's wall time around the whole child (start, the checks and decode timing, exit)"),
         "provenance": finish(prov),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
