@@ -53,9 +53,9 @@ out = eng.generate(input_ids=prompts, sampling_params={{"max_new_tokens": 16, "t
                    return_logprob=True)
 decode = {{f"b{{b}}_ms": 1000 * decode_step_s(eng, b, 16, seed=b) for b in (1, 16)}}
 eng.shutdown()
+logprobs = [[lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]] for r in out]
 print("RESULT " + json.dumps({{"ready_s": ready, "failed": failed, "decode": decode,
-                              "tokens": [r["output_ids"] for r in out],
-                              "logprobs": [[lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]] for r in out]}}))
+                              "tokens": [r["output_ids"] for r in out], "logprobs": logprobs}}))
 """
 
 
