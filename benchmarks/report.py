@@ -551,6 +551,33 @@ def render_cpu_speed(r: dict, _dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+@section("start_cpu.json")
+def render_start_cpu(r: dict, _dir: Path) -> str:
+    """start_bench.py: first and second start of the compiled forward against issue 13's targets, eager for
+    reference, then the same processes' decode steps and the outputs check."""
+    s, t, dec = r["start_s"], r["targets_s"], r["decode_step_ms"]
+    rows = [[label, fig(s[kind], 1, " s"), _target(t.get(kind), s[kind]["median"], unit=" s", digits=0)]
+            for kind, label in (("first", "first start, compiled (empty caches)"),
+                                ("second", "second start, compiled"), ("eager", "start, eager"))]
+    dec_rows = [[kind] + [fig(dec[kind][k], 1, " ms") for k in ("b1_ms", "b16_ms")] for kind in s]
+    o = r["outputs"]
+    failed = r["compile_failed"]
+    return "\n".join([
+        "## Start time of the compiled CPU forward, embedded model\n",
+        f"{r['model']} in {r['dtype']} on {r['cpus']} CPUs. Each start is a fresh `python` process, timed from its "
+        "first statement to `Engine(...)` ready; *first* with an empty inductor cache (no compiled layer), *second* "
+        "with the cache the first start filled, alternating with eager starts. The C++ attention kernel and the "
+        "converted model are built beforehand in every case.\n",
+        command(r) + f" Run note: {r['note']}", "",
+        table(["start", "seconds", "target (issue 13)"], rows),
+        "\nThe same processes after the start: the median runner step (forward + sampling) of a decode, 16 tokens.\n",
+        table(["start", "decode step, batch 1", "batch 16"], dec_rows),
+        f"\nGreedy tokens equal to the eager run's: {'yes' if o['tokens_equal'] else '**no**'}; largest logprob "
+        f"difference {o['max_logprob_diff']:.1e} (tolerance {o['tolerance']:.0e}; {o['against']}). "
+        + (f"**Compilation failed**: {failed}." if failed else "Compilation succeeded in every compiled start."),
+    ]) + "\n"
+
+
 @section("programs_latency.json")
 def render_programs_latency(r: dict, _dir: Path) -> str:
     """programs_bench.py: one instance's latency, compiled over /v1/programs vs interpreted over RuntimeEndpoint,
