@@ -39,13 +39,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lmc  # noqa: E402
 from record import exact, finish, provenance, spread  # noqa: E402
 
+# 32 countries: a run_batch of 32 instances has no two alike (with 16, instance i and i + 16 were the same program
+# run twice, which the radix cache served whole)
 COUNTRIES = ["France", "Spain", "Germany", "Canada", "Brazil", "India", "China", "Mexico", "Poland", "Cuba",
-             "Japan", "Kenya", "Egypt", "Peru", "Chile", "Italy"]
+             "Japan", "Kenya", "Egypt", "Peru", "Chile", "Italy", "Norway", "Greece", "Turkey", "Iran", "Ghana",
+             "Nepal", "Sweden", "Austria", "Portugal", "Morocco", "Vietnam", "Argentina", "Ireland", "Finland",
+             "Hungary", "Thailand"]
 TOPICS = ["sleep", "cooking", "running", "reading", "saving money", "learning a language", "gardening", "travel"]
 
 
 def instances(name: str, n: int) -> list[dict]:
-    """N argument sets per example (distinct, so instances share only what the program shares)."""
+    """N argument sets per example (distinct for N <= 32, so instances share only what the program shares)."""
     c = [COUNTRIES[i % len(COUNTRIES)] for i in range(n)]
     return [{
         "few_shot_qa": lambda i: {"question": f"What is the capital of {c[i]}?"},

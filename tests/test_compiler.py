@@ -358,6 +358,59 @@ def test_lowered_select_falls_back_when_the_prompt_tokenizes_differently(engine,
 
 
 @sgl.function
+def act(s, question):
+    s += "Question: " + question + "\nAction: " + sgl.select("action", choices=["search", "finish", "ask"])
+    s += "[" + sgl.gen("arg", max_tokens=4, stop="]") + "]"
+
+
+def test_a_select_whose_words_merge_with_a_trailing_space_is_lowered(tokenizer):
+    from lmc.passes.select_lowering import single_token_selects
+    from lmc.protocol import ChatTemplate, token_select_prompt
+
+    g = act.compile().graph()
+    [ids] = single_token_selects(g, ChatTemplate.plain(), tokenizer).values()
+    # "Action: " + "search" encodes as "Action:" + " search": each word is one token after the text less its space
+    assert ids == [tokenizer.encode(" " + c, add_special_tokens=False)[0] for c in ("search", "finish", "ask")]
+    text = "Question: where is Rome?\nAction: "
+    prompt, start = token_select_prompt(tokenizer.encode, text, ["search", "finish", "ask"], ids)
+    assert prompt == tokenizer.encode(text)[:-1] and start == len(tokenizer.encode(text)) - 2
+    assert token_select_prompt(tokenizer.encode, text, ["searching"], ids[:1]) is None
+
+
+def test_a_healed_select_scores_like_the_per_choice_requests(engine):
+    import asyncio
+
+    backend = sgl.Local(engine=engine)
+    tok = engine.tokenizer
+    choices = ["search", "finish", "ask"]
+    ids = [tok.encode(" " + c, add_special_tokens=False)[0] for c in choices]
+    for text in ("Question: where is Rome?\nAction: ", "You have the answer already.\nAction: "):
+        lowered = asyncio.run(backend.select_tokens(text, choices, ids, sgl.token_length_normalized))
+        per_choice = asyncio.run(backend.select(text, choices, 0.0, sgl.token_length_normalized))
+        assert lowered.decision == per_choice.decision
+        for got, want in zip(lowered.meta_info["input_token_logprobs"], per_choice.meta_info["input_token_logprobs"]):
+            assert [t for _, t, _ in got] == [t for _, t, _ in want]  # the same tokens scored
+            assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+
+
+def test_a_healed_select_in_an_engine_chain_decides_like_the_interpreter_with_fewer_tokens(engine):
+    backend = sgl.Local(engine=engine)
+    args = [{"question": q} for q in ("Where is Rome?", "What is 2 + 2?", "Who wrote Hamlet?")]
+    interpreted = act.run_batch(args, backend=backend, temperature=0)
+    computed = {}
+    for lowering in (True, False):
+        engine.flush_cache()
+        before = engine.stats()["computed_tokens"]
+        states = act.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
+        computed[lowering] = engine.stats()["computed_tokens"] - before
+        for state, ref in zip(states, interpreted):
+            assert state.variables() == ref.variables() and state.text() == ref.text()
+            got = state.get_meta_info("action")["normalized_prompt_logprobs"]
+            assert got == pytest.approx(ref.get_meta_info("action")["normalized_prompt_logprobs"], abs=1e-4)
+    assert computed[True] < computed[False]  # one scoring forward instead of a request per choice
+
+
+@sgl.function
 def summarize(s, text):
     s += "Summarize in three words: " + text + "\nSummary:" + sgl.gen("summary", max_tokens=8, stop="\n")
 

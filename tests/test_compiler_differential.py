@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 import lmc as sgl
 
-WORDS = st.sampled_from([" the", " sky", " is", " blue.", " Yes", " No", "\nQ:", " cats", " 42"])
-CHOICES = st.sampled_from([[" yes", " no"], [" red", " green", " blue"], [" 1", " 2"]])
+# " Answer: " then ["yes", "no"]: choices that merge with a trailing space (select lowering scores them after the
+# text less its last token)
+WORDS = st.sampled_from([" the", " sky", " is", " blue.", " Yes", " No", "\nQ:", " cats", " 42", " Answer: "])
+CHOICES = st.sampled_from([[" yes", " no"], [" red", " green", " blue"], [" 1", " 2"], ["yes", "no"]])
 
 
 def steps(depth: int):

@@ -5,7 +5,7 @@ program's usage (lmc.backend.usage.program_usage), as over an endpoint."""
 from __future__ import annotations
 
 from ..protocol import (Capabilities, ChatTemplate, ChoicesDecision, ChoicesSamplingMethod, GenParams, Image,
-                        current_hints, decide)
+                        current_hints, decide, token_select_prompt)
 from .usage import record_usage
 
 
@@ -65,15 +65,16 @@ class Local:
     async def select_tokens(self, text: str, choices: list[str], token_ids: list[int],
                             method: ChoicesSamplingMethod) -> ChoicesDecision | None:
         """The compiler's lowered select (lmc.passes.select_lowering): each choice is the single token
-        `token_ids[i]` after `text`, so one request scores them all: the prompt's last two logprobs plus each
-        id's next-token logprob are exactly the vectors `select` computes per choice. None (use `select`) when
-        the prompt's real tokenization disagrees with the plan."""
-        tok = self.engine.tokenizer
-        ids = tok.encode(text)
-        if any(tok.encode(text + c) != ids + [t] for c, t in zip(choices, token_ids)):
+        `token_ids[i]` after `text` (or after `text` less its last token: lmc.protocol.token_select_prompt), so
+        one request scores them all: its prompt logprobs plus each id's next-token logprob are exactly the vectors
+        `select` computes per choice. None (use `select`) when the prompt's real tokenization disagrees with the
+        plan."""
+        found = token_select_prompt(self.engine.tokenizer.encode, text, choices, token_ids)
+        if found is None:
             return None
-        r = (await self._generate([text], {"max_new_tokens": 1, "temperature": 0}, return_logprob=True,
-                                  logprob_start_len=max(len(ids) - 2, 0), token_ids_logprob=list(token_ids)))[0]
+        ids, start = found
+        r = (await self._generate(None, {"max_new_tokens": 1, "temperature": 0}, input_ids=[ids], return_logprob=True,
+                                  logprob_start_len=start, token_ids_logprob=list(token_ids)))[0]
         prompt = r["meta_info"]["input_token_logprobs"]
         nxt = r["meta_info"]["output_token_ids_logprobs"][0]
         return await self._decide(choices, [prompt + [lp] for lp in nxt], method)

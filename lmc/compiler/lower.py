@@ -8,7 +8,8 @@ The operations (one small vocabulary; `Plan.to_json()` / `Plan.from_json()` roun
             where the plan has one;
 - score     one select: a prefill of the shared prompt, then every choice scored as an extension of it, whatever
             the choices' token lengths; on the local engine, where every choice is one token after the constant
-            text before it, the choice ids ride along (one request scores them all);
+            text before it (or after that text less its last token), the choice ids ride along (one request
+            scores them all);
 - set       set a variable to a host value; scope: begin / end a var_scope;
 - fork      start the branches (each a block of operations on its own copy of the state), after a prefill hint
             of the parent's text plus the text every branch starts with;
@@ -128,7 +129,8 @@ class Score(Op):
     choices: list[str] = field(default_factory=list)
     temperature: float = 0.0
     method: str = "TokenLengthNormalized"
-    token_ids: list[int] | None = None  # choice i is this one token after the prompt (local fast path)
+    # choice i is this one token after the prompt, or after the prompt less its last token (local fast path)
+    token_ids: list[int] | None = None
     prefill: bool = False  # prefill the prompt once before the choices extend it (local engine)
 
     def check(self):

@@ -32,6 +32,22 @@ def decide(method: "ChoicesSamplingMethod", choices: list[str], input_token_logp
                   output_token_logprobs=[[] for _ in choices], unconditional_token_logprobs=unconditional_token_logprobs)
 
 
+def token_select_prompt(encode, text: str, choices: list[str], token_ids: list[int]) -> tuple[list[int], int] | None:
+    """The one request that scores single-token choices by their ids (select lowering): (its prompt ids, its
+    prompt logprob start), or None where the choices are not single tokens here (score them one request each).
+
+    The per-choice requests score `text + choice` from two tokens before the end of `encode(text)` (SGLang's
+    token-healing window). Where each choice is its one token `token_ids[i]` after the text, that request's prompt
+    is the text; where each merges with the text's last token instead, as a word does with a trailing space
+    ("Action: " + "finish" encodes as "Action:" + " finish"), it is the text less that token. Either way its prompt
+    logprobs from the start plus each id's next-token logprob are exactly the per-choice requests' vectors."""
+    ids = encode(text)
+    for cut in (len(ids), len(ids) - 1):
+        if cut >= 1 and all(encode(text + c) == ids[:cut] + [t] for c, t in zip(choices, token_ids)):
+            return ids[:cut], max(len(ids) - 2, 0)
+    return None
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 

@@ -17,8 +17,9 @@ chosen child's KV in the tree reaches past the request's own), does it go back t
 
 A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
 decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
-- where each choice is its one token id after the text (`select_tokens`), by the request itself: one forward over
-  the prompt's end gives the last two prompt tokens' logprobs and each choice id's next-token logprob;
+- where each choice is its one token id after the text, or after the text less its last token (a word after a
+  trailing space: lmc.protocol.token_select_prompt), by the request itself (`select_tokens`): one forward over the
+  prompt's end gives its last prompt logprobs and each choice id's next-token logprob;
 - otherwise (`select`), by one child request per choice (text + choice, prefill only, logprobs from two tokens
   before the text's end), queued by the scheduler itself: the parent puts its computed KV into the radix tree
   (keeping it) and waits, parked, while the children share that prefix; their logprobs decide, and the parent
@@ -69,15 +70,20 @@ class Chain:
     emitted: int = 0  # segments handed to the caller's stream so far (the engine's side)
 
 
-def select_params(ids: list[int], step: ChainStep) -> SamplingParams:
-    """A select step's request: one greedy token, with the last two prompt logprobs and the choices' logprobs."""
-    return SamplingParams(max_new_tokens=1, temperature=0, return_logprob=True,
-                          logprob_start_len=max(len(ids) - 2, 0), token_ids_logprob=list(step.token_ids))
+def select_params(start: int, step: ChainStep) -> SamplingParams:
+    """A select step's request: one greedy token, with the prompt logprobs from `start` and the choices'."""
+    return SamplingParams(max_new_tokens=1, temperature=0, return_logprob=True, logprob_start_len=start,
+                          token_ids_logprob=list(step.token_ids))
 
 
-def single_tokens(tokenizer, text: str, ids: list[int], step: ChainStep) -> bool:
-    """Whether each choice is its one token after `text` (what select_tokens checks before scoring by ids)."""
-    return step.token_ids is not None and all(tokenizer.encode(text + c) == ids + [t] for c, t in zip(step.choices, step.token_ids))
+def single_tokens(tokenizer, text: str, step: ChainStep) -> tuple[list[int], int] | None:
+    """(prompt ids, logprob start) of the one request scoring a select whose choices are single tokens here
+    (lmc.protocol.token_select_prompt, what select_tokens checks before scoring by ids); None otherwise."""
+    if step.token_ids is None:
+        return None
+    from ..protocol import token_select_prompt  # (pure Python: the one check of every select by ids)
+
+    return token_select_prompt(tokenizer.encode, text, step.choices, step.token_ids)
 
 
 def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
@@ -135,8 +141,10 @@ def start(r: Req, tokenizer, chain: Chain) -> None:
     KV: the children compute the prompt, sharing it in their batch)."""
     r.chain = chain
     step = chain.steps[0]
-    if step.choices is not None and single_tokens(tokenizer, chain.text, r.input_ids, step):
-        r.params = select_params(r.input_ids, step)
+    by_ids = single_tokens(tokenizer, chain.text, step) if step.choices is not None else None
+    if by_ids is not None:
+        r.input_ids, start = by_ids
+        r.params = select_params(start, step)
     elif step.choices is not None:  # the children of step 0, queued by Scheduler.add (advance from `at` -1)
         r.params = SamplingParams(max_new_tokens=0)
         chain.at, chain.text = -1, ""
@@ -197,11 +205,15 @@ class Continuation:
         if len(ids) >= limit:
             chain.stopped_at = nxt_at
             return False
-        if step.choices is not None and not single_tokens(s.tokenizer, new_text, ids, step):
+        by_ids = single_tokens(s.tokenizer, new_text, step) if step.choices is not None else None
+        if step.choices is not None and by_ids is None:
             return self._score_by_children(r, new_text, ids, step, nxt_at, limit)
         chain.text, chain.at = new_text, nxt_at
         r.program = step.program if step.program is not None else r.program
-        params = select_params(ids, step) if step.choices is not None else step.gen
+        params = step.gen
+        if by_ids is not None:
+            ids, start = by_ids  # the text less its last token where the choices merge with it
+            params = select_params(start, step)
         keep = _common_prefix(r.fill_ids[:r.kv_done], ids)
         keep = min(keep, len(ids) - 1)  # the last token is always computed: its logits are the next call's
         start = len(ids) if not params.return_logprob or params.logprob_start_len < 0 else min(
