@@ -133,7 +133,9 @@ def main() -> None:
                    "continuation_ratio = compiled / compiled on a server with --disable-continuation; one instance "
                    "at a time, temperature 0; lmc serve on this machine's CPU. engine: the server's forwards and "
                    "computed tokens per instance, each way: decode steps are the same every way (the calls' "
-                   "outputs), so they bound how far below 1 the ratio can go"}
+                   "outputs), so they bound how far below 1 the ratio can go. ratio compares two ways on ONE server; "
+                   "continuation_ratio compares two server processes, whose speed per forward differs with the "
+                   "machine's load (see each way's forwards for what continuation saves)"}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
