@@ -27,7 +27,8 @@ decided by the step's method (lmc.protocol.decide); the chosen choice is the tex
   Select fusion: where the select is followed by a plain greedy gen (`Continuation._fused`), each child prefills
   on through its choice into that gen's prompt and samples one token; the winner's prompt is the gen's prompt and
   its token the gen's first (greedy: what the gen's own first forward would pick), so the parent starts the gen
-  from there, one forward sooner. The choice is scored from the same positions as without fusion.
+  from there, one forward sooner. The choice is scored from the same positions as without fusion. Only where
+  the losing choices' share of the gen's text is short (FUSE_MAX_EXTRA_TOKENS): they compute it for nothing.
 When the parent goes on to its next call, the radix tree may already hold more of the new text than its own KV
 (an earlier request's, or the winning child's): it adopts that prefix (`CacheManager.adopt`) instead of
 recomputing it, as a new request's prefix match would.
@@ -45,6 +46,12 @@ from .core import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+
+# Select fusion's price: the tokens of the next gen's text that the losing choices' children compute for nothing.
+# Fusion saves one forward; on CPU a forward of this size of model costs about as much as a dozen prefill tokens
+# (judge's 5 choices x ' out of 5, because' cost more than they saved; chain6's 'yes'/'no' x '\nFact 2:' less).
+FUSE_MAX_EXTRA_TOKENS = 16
 
 
 @dataclass
@@ -292,6 +299,9 @@ class Continuation:
         out = [self.s.tokenizer.encode(text + c + nxt.text) for c in choices]
         if any(f[:len(p)] != p or len(f) >= limit for f, p in zip(out, prompts)):
             return None
+        extra = sum(len(f) - len(p) for f, p in zip(out, prompts)) - min(len(f) - len(p) for f, p in zip(out, prompts))
+        if extra > FUSE_MAX_EXTRA_TOKENS:
+            return None  # the losing choices would compute more of the gen's text than the forward saved costs
         return out
 
     def child_done(self, child: Req) -> None:
