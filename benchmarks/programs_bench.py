@@ -50,12 +50,24 @@ def workloads():
 TARGETS = {"chain6": 0.6, "tree_of_thought": 0.8, "judge": 0.8, "react_agent": 0.8}
 
 
-def one(prog, args, ep, compiled) -> tuple[float, int, dict]:
+ENGINE_COUNTS = ("forwards", "prefill_forwards", "decode_forwards", "computed_tokens")
+
+
+def engine_counts(ep) -> dict:
+    st = ep.get_server_info()["internal_states"][0]
+    return {k: st[k] for k in ENGINE_COUNTS}
+
+
+def one(prog, args, ep, compiled) -> tuple[float, int, dict, dict]:
+    """(seconds, HTTP requests, variables, the server's engine counters over the run) of one instance."""
+    counts = engine_counts(ep)
     before = CountedEndpoint.requests
     t0 = time.perf_counter()
     state = (compiled.run if compiled is not None else prog.run)(**args, backend=ep, temperature=0)
     dt = time.perf_counter() - t0
-    return dt, CountedEndpoint.requests - before, {k: jsonable(v) for k, v in state.variables().items()}
+    n = CountedEndpoint.requests - before
+    after = engine_counts(ep)
+    return dt, n, {k: jsonable(v) for k, v in state.variables().items()}, {k: after[k] - counts[k] for k in counts}
 
 
 WAYS = ("interpreted", "compiled", "compiled_no_continuation")
@@ -86,12 +98,15 @@ def main() -> None:
             times = {w: [] for w in WAYS}
             reqs = {w: [] for w in WAYS}
             outs = {w: [] for w in WAYS}
+            engine = {w: {k: [] for k in ENGINE_COUNTS} for w in WAYS}
             for rep in range(a.reps):
                 for way in WAYS[rep % 3:] + WAYS[:rep % 3]:  # alternating, in a rotating order
-                    dt, n, out = one(prog, args, *runs[way])
+                    dt, n, out, counts = one(prog, args, *runs[way])
                     times[way].append(dt)
                     reqs[way].append(n)
                     outs[way].append(out)
+                    for k, v in counts.items():
+                        engine[way][k].append(v)
             ratio = [c / i for c, i in zip(times["compiled"], times["interpreted"])]
             ablation = [c / i for c, i in zip(times["compiled"], times["compiled_no_continuation"])]
             results[name] = {
@@ -101,7 +116,8 @@ def main() -> None:
                 "continuation_ratio": spread(ablation),
                 "requests_interpreted": exact(reqs["interpreted"]), "requests_compiled": exact(reqs["compiled"]),
                 "requests_compiled_no_continuation": exact(reqs["compiled_no_continuation"]),
-                "same_variables": all(o == outs["interpreted"][0] for w in WAYS for o in outs[w])}
+                "same_variables": all(o == outs["interpreted"][0] for w in WAYS for o in outs[w]),
+                "engine": {w: {k: spread(v) for k, v in engine[w].items()} for w in WAYS}}
             if name == "chain6":  # the static instance: exactly one HTTP request, every run
                 results[name]["static_one_request"] = all(n == 1 for n in reqs["compiled"])
             print(name, "ratio", json.dumps(results[name]["ratio"]), "continuation", json.dumps(
@@ -115,7 +131,11 @@ def main() -> None:
     out = {"provenance": finish(prov), "model": MODEL, "reps": a.reps, "workloads": results,
            "note": "ratio = compiled over /v1/programs / interpreted over RuntimeEndpoint, per repetition; "
                    "continuation_ratio = compiled / compiled on a server with --disable-continuation; one instance "
-                   "at a time, temperature 0; lmc serve on this machine's CPU"}
+                   "at a time, temperature 0; lmc serve on this machine's CPU. engine: the server's forwards and "
+                   "computed tokens per instance, each way: decode steps are the same every way (the calls' "
+                   "outputs), so they bound how far below 1 the ratio can go. ratio compares two ways on ONE server; "
+                   "continuation_ratio compares two server processes, whose speed per forward differs with the "
+                   "machine's load (see each way's forwards for what continuation saves)"}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)

@@ -1,7 +1,7 @@
 """Engine-side continuation (lmc.runtime.continuation, lmc.compiler.chain), on the session engine: a compiled
 program's run of gens and selects between host breaks is one engine request, and gives what the call-by-call
 run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
-children, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
+children, selects fused with the gen after them, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
 aborted chain gives up its KV."""
 import asyncio
 import re
@@ -32,6 +32,17 @@ def forked(s, topic):
                            + " because" + lmc.gen("why", max_tokens=5, stop="."))
     forks.join()
     s += lmc.user("Summary?") + lmc.assistant(lmc.gen("summary", max_tokens=5))
+
+
+@lmc.function
+def fused(s, topic):
+    # choices of several tokens: scored by one child request each (a single-token choice is scored by ids, unfused)
+    s += "Topic: " + topic + "\nIs it round? " + lmc.select("round", choices=["yes, it is", "no, it is not"])
+    s += "\nColour:" + lmc.gen("colour", max_tokens=4, stop="\n")
+    s += "\nIs it big? " + lmc.select("big", choices=["yes, it is", "no, it is not"])
+    s += "\nOne word:" + lmc.gen("word", max_tokens=1)  # ends on the token its select's winning child sampled
+    s += "\nIs it far? " + lmc.select("far", choices=["yes", "no"])
+    s += "\nYear:" + lmc.gen("year", max_tokens=6, regex=r" [0-9]{4}")  # constrained: not fused
 
 
 class CountedEnqueues:
@@ -90,6 +101,21 @@ def test_forks_run_a_chain_per_branch_and_match(local, engine):
     assert counted.count == 4  # the fork's prefill hint, one chain per branch, and the gen after the join
     assert on.variables() == off.variables() and on.text() == off.text()
     assert on.messages() == off.messages()
+
+
+def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
+    be, counted = local
+    off = _run(fused, be, engine, False, topic="the sun")
+    before = engine.stats()["fused_selects"]
+    counted.count = 0
+    on = _run(fused, be, engine, True, topic="the sun")
+    assert counted.count == 1
+    assert engine.stats()["fused_selects"] - before == 2  # round -> colour, big -> word; not far -> the regex
+    assert on.variables() == off.variables() and on.text() == off.text()
+    assert on.get_meta_info("word")["completion_tokens"] == 1
+    for name in ("round", "big", "far"):  # scored from the same positions as the unfused select
+        assert on.get_meta_info(name)["normalized_prompt_logprobs"] == pytest.approx(
+            off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
 
 
 def test_each_call_streams_as_it_finishes(engine):

@@ -1,6 +1,6 @@
 """POST /v1/programs against the real server (one per module, on the session engine): a static compiled instance
 is one HTTP request and gives what the interpreted program gives over RuntimeEndpoint at temperature 0; a program
-with a graph break makes one request per segment; bad programs get a 400 naming the problem while good calls go
+with a graph break makes one request per segment (none for a segment without model calls); bad programs get a 400 naming the problem while good calls go
 on; streaming; per-instance errors; the fallback to per-call execution on a server without the route; and the
 plan's program hints reaching the engine's requests (Req.program)."""
 import json
@@ -65,6 +65,24 @@ def test_forks_and_batches_match_interpreted(counted):
     # one request per instance, plus the batch's shared-prefix hint (a commit: compiled.py's batch_prefix)
     assert app.paths.count("/v1/programs") == 3 and app.paths.count("/generate") <= 1 and len(app.paths) <= 4
     assert [s.variables() for s in compiled] == [s.variables() for s in interpreted]
+
+
+@lmc.function
+def gen_then_host(s, topic):
+    s += "Topic: " + topic + "\nWord:" + lmc.gen("word", max_tokens=3, stop="\n")
+    s["shout"] = s["word"].strip().upper()  # host code reading the gen's value: a break, and no call after it
+
+
+def test_segment_without_model_calls_runs_on_the_client(counted):
+    srv, app, ep = counted
+    interpreted = gen_then_host.run(topic="rain", backend=ep, temperature=0)
+    program = gen_then_host.compile()
+    fallback, breaks = program.breaks(topic="rain")
+    assert not fallback and len(breaks) == 1  # two segments
+    app.paths.clear()
+    compiled = program.run(topic="rain", backend=ep, temperature=0)
+    assert app.paths == ["/v1/programs"]  # the segment after the break holds no engine work: no request
+    assert compiled.variables() == interpreted.variables() and compiled["shout"] == compiled["word"].strip().upper()
 
 
 def test_graph_break_makes_one_request_per_segment(counted):

@@ -9,7 +9,8 @@ plan executor next to the engine (lmc.compiler.hosted) and returns the new state
 only data crosses the wire.
 
 A segment that holds code the server cannot run (a nested program, a custom choice method, an image), state that
-is not JSON, or a stream that streams tokens to a reader, runs call by call as before (`servable`).
+is not JSON, or a stream that streams tokens to a reader, runs call by call as before (`servable`); one with no
+engine work at all runs here without a request.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..backend.usage import Usage, stream_usage
 from ..frontend.state import Stream
 from ..protocol.hints import instance_id
 from .hints import hints_table, table_json
-from .lower import BUILTIN_METHODS, Call, Plan, _walk_ops
+from .lower import BUILTIN_METHODS, Call, Fork, Generate, Plan, Score, _walk_ops
 
 
 def _json_ok(v) -> bool:
@@ -40,6 +41,12 @@ def servable(plan: Plan, args: dict, stream: Stream) -> bool:
     return _json_ok(args) and _json_ok(stream.vars) and _json_ok(_var_meta(stream))
 
 
+def _calls_the_model(plan: Plan) -> bool:
+    """Whether the segment has engine work (a gen, a select, a fork's shared prefix): one without (host state
+    only, e.g. what follows a program's last call) runs here, with no request at all."""
+    return any(isinstance(o, (Generate, Score, Fork)) for o in _walk_ops(plan.ops))
+
+
 def _var_meta(stream: Stream) -> dict:
     return {k: v for k, v in stream.meta.items() if not str(k).startswith("_")}
 
@@ -52,7 +59,7 @@ def _sampling(stream: Stream) -> dict:
 async def run_remote(plan: Plan, args: dict, stream: Stream) -> tuple[bool, int | None]:
     """(ran, break node): ran is False when the segment must run here (not servable, or the server has no
     /v1/programs); otherwise the stream holds the segment's result (or its error) and the break it stopped at."""
-    if not servable(plan, args, stream):
+    if not servable(plan, args, stream) or not _calls_the_model(plan):
         return False, None
     state = {"text": stream.text, "messages": stream.messages, "role": stream.role, "role_begin": stream.role_begin,
              "vars": stream.vars, "meta": _var_meta(stream), "scopes": stream.scopes, "instance": instance_id(stream)}

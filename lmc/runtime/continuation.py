@@ -11,9 +11,9 @@ request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`)
 outputs at temperature 0 equal the step-by-step ones. The KV of the longest common prefix of the old and new
 tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
 leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
-the frontend, no admission, no prefix match. Only when the retokenization changed a token the radix tree already
-owns (or the request lost its KV, e.g. after a jump-forward), or after a select its choices' children scored (the
-chosen child's KV in the tree reaches past the request's own), does it go back to the queue and re-match.
+the frontend, no admission (only a look-up of the tree for more of its next text, below). Only when the
+retokenization changed a token the radix tree already owns (or the request lost its KV, e.g. after a jump-forward)
+does it go back to the queue and re-match.
 
 A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
 decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
@@ -26,6 +26,14 @@ decided by the step's method (lmc.protocol.decide); the chosen choice is the tex
   goes on with its KV. A select as a chain's first step queues its children as the request arrives, with no
   prefill of the prompt of its own (which would compute the prompt's end once more than the step-by-step
   select's requests, which share the prompt in their batch): the children share it in theirs.
+  Select fusion: where the select is followed by a plain greedy gen (`Continuation._fused`), each child prefills
+  on through its choice into that gen's prompt and samples one token; the winner's prompt is the gen's prompt and
+  its token the gen's first (greedy: what the gen's own first forward would pick), so the parent starts the gen
+  from there, one forward sooner. The choice is scored from the same positions as without fusion. Only where
+  the losing choices' share of the gen's text is short (FUSE_MAX_EXTRA_TOKENS): they compute it for nothing.
+When the parent goes on to its next call, the radix tree may already hold more of the new text than its own KV
+(an earlier request's, or the winning child's): it adopts that prefix (`CacheManager.adopt`) instead of
+recomputing it, as a new request's prefix match would.
 A next prompt past the context ends the chain there: the result's `stopped_at` names the first step not run,
 which the caller runs its usual way.
 
@@ -33,13 +41,19 @@ Each finished step's result (`segment`) is kept on the chain and streamed to the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .core import Req, RequestError, SamplingParams
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+
+
+# Select fusion's price: the tokens of the next gen's text that the losing choices' children compute for nothing.
+# Fusion saves one forward; on CPU a forward of this size of model costs about as much as a dozen prefill tokens
+# (judge's 5 choices x ' out of 5, because' cost more than they saved; chain6's 'yes'/'no' x '\nFact 2:' less).
+FUSE_MAX_EXTRA_TOKENS = 16
 
 
 @dataclass
@@ -68,6 +82,10 @@ class Chain:
     choice_logprobs: list | None = None
     scored: dict | None = None
     emitted: int = 0  # segments handed to the caller's stream so far (the engine's side)
+    # Select fusion (Continuation._fused): per choice, the length of its own logprobs in its child's and the
+    # child's (prompt ids, sampled token); then the winner's, which the next gen starts from.
+    fused: tuple[list[int], list] | None = None
+    first: tuple[list[int], int] | None = None
 
 
 def select_params(start: int, step: ChainStep) -> SamplingParams:
@@ -189,7 +207,6 @@ class Continuation:
         chain, s = r.chain, self.s
         if reason.get("type") not in ("stop", "length"):
             return False  # aborted or failed: the call did not finish (its partial output is the request's result)
-        scored_by_children = chain.scored is not None
         if chain.at < 0:  # a first select's children not queued yet: no step of the caller's ran
             seg = {"text": ""}
         else:
@@ -214,20 +231,27 @@ class Continuation:
         if by_ids is not None:
             ids, start = by_ids  # the text less its last token where the choices merge with it
             params = select_params(start, step)
-        keep = _common_prefix(r.fill_ids[:r.kv_done], ids)
-        keep = min(keep, len(ids) - 1)  # the last token is always computed: its logits are the next call's
+        first, chain.first = chain.first, None
+        if first is not None and first[0] != ids:
+            first = None  # (cannot happen: the winner's prompt is this text's encoding)
+        most = len(ids) - 1  # the last token is always computed: its logits are the next call's
         start = len(ids) if not params.return_logprob or params.logprob_start_len < 0 else min(
             params.logprob_start_len, len(ids))
         if start < len(ids):
-            keep = min(keep, max(start - 1, 0))  # prompt logprobs are recorded from computed positions only
-        # After a select its children scored, the chosen choice's child left text + choice in the tree, past r's own
-        # KV (the text): r re-matches rather than recompute the choice.
-        held = r.row >= 0 and keep >= r.cache_protected_len and not (scored_by_children and not s.memory.tree.disabled)
+            most = min(most, max(start - 1, 0))  # prompt logprobs are recorded from computed positions only
+        if first is not None:
+            most = len(ids)  # its first token is known: no logits of the prompt are needed
+        keep = min(_common_prefix(r.fill_ids[:r.kv_done], ids), most)
+        # After a select its children scored, the chosen child left text + choice in the tree, past r's own KV (the
+        # text): the adoption below takes it rather than recompute the choice.
+        held = r.row >= 0 and keep >= r.cache_protected_len
         if r in s.running:
             s.running.remove(r)
         if held:
             s.memory.truncate(r, keep)
             r.epoch += 1  # an entry of r scheduled before this (overlap) is stale now
+            if r not in s.no_match:  # the tree may hold more of the new text (an earlier request's): take it
+                keep = s.memory.adopt(r, ids[:most])
         else:
             s.memory.release(r)  # its computed KV goes to the tree under the old tokens; it re-matches below
         _reset(r, ids, params, step.grammar, keep if held else 0)
@@ -235,6 +259,13 @@ class Continuation:
         if held:
             s.stats["prompt_tokens"] += len(ids)
             s.stats["cached_tokens"] += keep
+        if first is not None:  # the select's winning child computed this prompt and sampled the gen's first token
+            r.output_ids.append(first[1])
+            reason = s._finish_reason(r, first[1])
+            if reason is not None:
+                s.finish(r, reason)  # the gen ended on it: r goes on to its next step, or finishes
+                return True
+        if held:
             s.continuing.append(r)
         else:
             s.waiting.insert(0, r)
@@ -256,7 +287,14 @@ class Continuation:
             r.epoch += 1
             s.memory.cache_unfinished(r)  # the children find r's computed prefix in the tree
         chain.choice_logprobs = [None] * len(prompts)
-        params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=max(len(ids) - 2, 0))
+        start = max(len(ids) - 2, 0)
+        params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=start)
+        fused = self._fused(chain, at, text, prompts, limit)
+        chain.fused = None
+        if fused is not None:  # each child goes on into the next call's prompt and samples its first token
+            prompts, chain.fused = fused, ([len(p) - start for p in prompts], [None] * len(prompts))
+            params = replace(chain.steps[at + 1].gen, max_new_tokens=1, return_logprob=True, logprob_start_len=start)
+            s.stats["fused_selects"] += 1
         for i, p in enumerate(prompts):
             child = Req(p, params, program=r.program)
             child.parent, child.choice = r, i
@@ -264,6 +302,28 @@ class Continuation:
         s.parked.append(r)
         s.stats["continuations"] += 1
         return True
+
+    def _fused(self, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
+        """Select fusion: where the select at `at` is followed by a plain greedy gen, each choice's child may
+        prefill on into that gen's prompt (text + choice + the gen's text) and sample its first token; the
+        winner's prompt is the gen's prompt, so the gen starts from its KV with its first token known, one
+        forward sooner. Only where each choice's own tokens are a prefix of its fused prompt (the choice scores
+        from the same positions) and sampling is greedy with nothing that reads the outputs: the child's token
+        is the one the gen's first forward would pick. Returns the fused prompts, or None."""
+        nxt = chain.steps[at + 1] if at + 1 < len(chain.steps) else None
+        g = nxt.gen if nxt is not None else None
+        if (g is None or nxt.grammar is not None or not g.greedy or g.max_new_tokens < 1 or g.min_new_tokens
+                or g.return_logprob or g.top_logprobs_num or g.token_ids_logprob is not None
+                or g.logit_bias or g.frequency_penalty or g.presence_penalty or g.repetition_penalty != 1.0):
+            return None
+        choices = chain.steps[at].choices
+        out = [self.s.tokenizer.encode(text + c + nxt.text) for c in choices]
+        if any(f[:len(p)] != p or len(f) >= limit for f, p in zip(out, prompts)):
+            return None
+        extra = sum(len(f) - len(p) for f, p in zip(out, prompts)) - min(len(f) - len(p) for f, p in zip(out, prompts))
+        if extra > FUSE_MAX_EXTRA_TOKENS:
+            return None  # the losing choices would compute more of the gen's text than the forward saved costs
+        return out
 
     def child_done(self, child: Req) -> None:
         """A choice's child finished: keep its logprobs; the last one decides, and the parent goes on."""
@@ -275,13 +335,20 @@ class Continuation:
             self.s.parked.remove(parent)
             self.s.finish(parent, child.finish_reason)
             return
-        chain.choice_logprobs[child.choice] = (child.input_logprobs, child.meta_info())
+        lps = child.input_logprobs
+        if chain.fused is not None:  # the choice's own positions; the child's sampled token, for the gen
+            lens, tokens = chain.fused
+            lps = lps[:lens[child.choice]]
+            tokens[child.choice] = (child.input_ids, child.output_ids[0]) if child.output_ids else None
+        chain.choice_logprobs[child.choice] = (lps, child.meta_info())
         if any(x is None for x in chain.choice_logprobs):
             return
         from ..protocol import decide
 
         step = chain.steps[chain.at]
         d = decide(step.method, step.choices, [lps for lps, _ in chain.choice_logprobs])
+        if chain.fused is not None:
+            chain.first, chain.fused = chain.fused[1][step.choices.index(d.decision)], None
         metas = [m for _, m in chain.choice_logprobs]
         usage = {k: sum(m[k] for m in metas) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
         reason = {"type": "stop", "matched": d.decision}

@@ -167,6 +167,25 @@ class CacheManager:
         r.last_node, r.cache_protected_len = node, done
         self.stats["cache_seconds"] += time.perf_counter() - t0
 
+    def adopt(self, r: Req, key) -> int:
+        """Point resident r's leading positions at the tree's cached prefix of `key` (r's next tokens) where it
+        reaches past r's own KV, so that r computes only what the tree lacks (a chain's next call, whose text an
+        earlier request cached). r's own slots there hold the same tokens' KV as the tree's: they are freed. Only
+        with nothing of r in flight (kv_done == kv_len). Returns r's kv_len after."""
+        if self.tree.disabled or r.kv_done != r.kv_len:
+            return r.kv_len
+        slots, node = self.match(key)
+        n = len(slots)
+        if n <= r.kv_len:
+            return r.kv_len
+        self.slots.free(self.table[r.row, r.cache_protected_len:r.kv_len].long())
+        self.table[r.row, :n] = slots.to(torch.int32)
+        self.pending.append((r.row, 0, slots))
+        self.tree.lock(node)
+        self.tree.unlock(r.last_node)
+        r.last_node, r.cache_protected_len, r.kv_len, r.kv_done = node, n, n, n
+        return n
+
     # ---- invariants --------------------------------------------------------------------------------------------
     def check(self, resident: list[Req]) -> None:
         """Every slot is exactly one of: free, in the tree, owned by a resident request (module docstring)."""

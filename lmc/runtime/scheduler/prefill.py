@@ -15,7 +15,7 @@ decode step too (mixing), so a jump costs no extra forward.
 
 A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
 admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
-requests' decode step like jump-forward extends.
+requests' decode step like jump-forward extends, and so do the choice children of a chain's select.
 
 A request whose last chunk is scheduled joins `running` at once, before its forward has run: with overlap the
 next decode step is scheduled while this prefill is still in flight, and reads its first token on the device.
@@ -129,9 +129,11 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
         return None
     b = add.batch
     if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
-            and all((r.jumps or r.chain is not None) and r.computed_tokens for r in b.reqs)
+            and all(((r.jumps or r.chain is not None) and r.computed_tokens) or r.parent is not None
+                    for r in b.reqs)
             and s.memory.room >= len(s.running)):
-        # Only short extends of running work to prefill (a jump-forward's forced tokens, a chain's next text):
+        # Only short extends of running work to prefill (a jump-forward's forced tokens, a chain's next text or
+        # its select's choices):
         # the running requests decode in the same forward (as 1-token extends, their input token read on the
         # device), so a jump or a chain's next call costs its request no extra forward and the others no stall.
         for r in s.running:

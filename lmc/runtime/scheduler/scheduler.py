@@ -77,7 +77,7 @@ class Scheduler:
                       "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
                       "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0, "failed_forwards": 0,
                       "failed_requests": 0, "recoveries": 0, "stale_entries": 0,
-                      "continuations": 0}
+                      "continuations": 0, "fused_selects": 0}
         # Called on the scheduler thread with (r, reason) as each LM call ends: a request's, a chain's step's, a
         # select choice's child's; before a chain moves r on to its next step (benchmarks' per-call cache figures).
         self.on_call_end = None
