@@ -12,8 +12,11 @@ The decoder layer's elementwise ops in fp32, each one pass instead of the torch 
 (kernels/reference.py has their definitions; kernels/__init__.py dispatches to these on the CPU): `rms_norm`,
 `add_rms_norm`, `silu_mul` and `rope_q_write_kv` (RoPE of q and k, with k and v written into the KV cache).
 
-`load()` returns the compiled attention op and `elementwise()` the library's namespace, or None (with a warning,
-once) when no C++ toolchain can build it.
+On AVX-512 CPUs, a GEMM for the linears (`pack_panels`, `panel_linear`; model/linear.py): weights in panels of 48
+outputs, streamed once per 8 rows of x.
+
+`load()` returns the compiled attention op, `elementwise()` the library's namespace and `panels()` the same where
+it has the GEMM, or None (with a warning, once) when no C++ toolchain can build it.
 """
 from __future__ import annotations
 
@@ -30,12 +33,34 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
+
+// exp(x) in plain arithmetic that `omp simd` vectorizes (std::exp stays a scalar libm call): Cephes' expf, 2^n
+// exp(r) with r = x - n ln2 split in two parts and a degree-6 polynomial; within 2 ulp of expf over the clamped
+// range, whose ends give finite results (so x / (1 + exp(-x)) is x or 0 there, never NaN).
+static inline float exp_simd(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  // (std::min/max take references: not vectorized)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
@@ -82,7 +107,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t g = 0; g < G; ++g) {
         float *sg = s.data() + g * n, m = -INFINITY, sum = 0.f;
         for (int64_t j = 0; j < n; ++j) m = sg[j] > m ? sg[j] : m;
-        for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - m); sum += sg[j]; }
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) { sg[j] = exp_simd(sg[j] - m); sum += sg[j]; }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
@@ -158,26 +184,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   return {h, y};
 }
 
-// exp(x) in plain arithmetic that `omp simd` vectorizes (std::exp stays a scalar libm call): Cephes' expf, 2^n
-// exp(r) with r = x - n ln2 split in two parts and a degree-6 polynomial; within 2 ulp of expf over the clamped
-// range, whose ends give finite results (so x / (1 + exp(-x)) is x or 0 there, never NaN).
-static inline float exp_simd(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // [T, 2I] (gate | up) -> [T, I] silu(gate) * up.
 at::Tensor silu_mul(const at::Tensor& gu) {
   check_rows(gu, "silu_mul");
@@ -240,6 +246,94 @@ at::Tensor rope_q_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
+// ---- decode-sized linears: y = x W^T (+ b) over weights packed in panels of 48 outputs (AVX-512 only) ----
+// A decode step streams every weight once for a few rows of x, so the GEMM must keep up with memory: oneDNN's
+// kernels for 16 rows ran at ~2x the cycles a byte of this one (measured on this machine, benchmarks/
+// cpu_speed.py). Panels [ceil(N / 48), K, 48] make each thread's share of the weight one sequential stream; an
+// 8-row x 48-output block of accumulators (24 zmm) takes each 48-float weight row once per 8 rows of x, and a
+// panel (K x 192 bytes) stays in L2 for the next 8 rows. One accumulator per output sums over k in order.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LMC_PANELS 1
+constexpr int64_t kPanel = 48;
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_panels: an fp32 [N, K] weight expected");
+  auto wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto out = at::zeros({P, K, kPanel}, w.options());  // outputs past N: zero weights, never stored
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo * kPanel; n < std::min(N, hi * kPanel); ++n)
+      for (int64_t k = 0; k < K; ++k) dst[((n / kPanel) * K + k) * kPanel + n % kPanel] = src[n * K + k];
+  });
+  return out;
+}
+
+template <int MB>
+static inline void panel_block(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t n0,
+                               const float* bias) {
+  __m512 acc[MB][3];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = wp + k * kPanel;
+    _mm_prefetch((const char*)(wk + 16 * kPanel), _MM_HINT_T0);  // 3 KB ahead (harmless past the end)
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * K + k]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+    }
+  }
+  const int64_t rem = std::min<int64_t>(kPanel, N - n0);
+  for (int j = 0; j < 3 && 16 * j < rem; ++j) {
+    const int64_t cnt = std::min<int64_t>(16, rem - 16 * j);
+    const __mmask16 m = (__mmask16)(cnt == 16 ? 0xFFFFu : (1u << cnt) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n0 + 16 * j) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * N + n0 + 16 * j, m, _mm512_add_ps(acc[i][j], b));
+  }
+}
+
+// x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N].
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  check_rows(x, "panel_linear");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.dim() == 3 &&
+              panels.size(1) == K && panels.size(2) == kPanel && P * kPanel >= N && (P - 1) * kPanel < N,
+              "panel_linear: the panels are not an [N, K] weight's for this x");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "panel_linear: an fp32 bias [N] expected");
+  auto y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const float* w = wp + p * K * kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const float* xr = xp + m0 * K;
+        float* yr = yp + m0 * N;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 8: panel_block<8>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 7: panel_block<7>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 6: panel_block<6>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 5: panel_block<5>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 4: panel_block<4>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 3: panel_block<3>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 2: panel_block<2>(xr, K, w, yr, N, p * kPanel, bp); break;
+          default: panel_block<1>(xr, K, w, yr, N, p * kPanel, bp); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 TORCH_LIBRARY(lmc_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor rows, Tensor prefix, Tensor extend, "
         "Tensor start, float scale) -> Tensor");
@@ -248,6 +342,10 @@ TORCH_LIBRARY(lmc_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_q_write_kv(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+#ifdef LMC_PANELS
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+#endif
 }
 TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
@@ -255,6 +353,10 @@ TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_q_write_kv", &rope_q_write_kv);
+#ifdef LMC_PANELS
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+#endif
 }
 """
 
@@ -285,6 +387,15 @@ def elementwise():
     return torch.ops.lmc_cpu if load() is not None else None
 
 
+def panels():
+    """`torch.ops.lmc_cpu` when it has the panel GEMM (`pack_panels`, `panel_linear`: built on AVX-512 CPUs
+    only), else None."""
+    lib = elementwise()
+    if lib is None or not torch._C._dispatch_has_kernel_for_dispatch_key("lmc_cpu::panel_linear", "CPU"):
+        return None
+    return lib
+
+
 def _build():
     try:
         from torch.utils.cpp_extension import load_inline
@@ -297,6 +408,8 @@ def _build():
         op = torch.ops.lmc_cpu.paged_attention
         # Its output is shaped like q: what torch.compile needs to trace through the op without running it.
         torch.library.register_fake("lmc_cpu::paged_attention")(lambda q, *_: torch.empty_like(q))
+        if torch._C._dispatch_has_kernel_for_dispatch_key("lmc_cpu::panel_linear", "CPU"):
+            torch.library.register_fake("lmc_cpu::panel_linear")(lambda x, panels, n, bias: x.new_empty(x.shape[0], n))
         return op
     except Exception as e:  # no compiler, no ninja, a failed build: the torch reference ops run instead
         warnings.warn(f"the CPU kernels could not be built ({type(e).__name__}: {e}); "
