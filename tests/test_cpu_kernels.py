@@ -67,3 +67,13 @@ def test_dispatch_takes_the_kernels_only_in_eager_fp32(ops):
     x = torch.zeros(2, 8)
     assert kernels._cpu_ops(x) is ops and kernels.fuses_kv_write(x)
     assert kernels._cpu_ops(x.double()) is None and not kernels.fuses_kv_write(x.bfloat16())
+
+
+def test_argmax_rows_is_torch_max_index(ops):
+    x = rand(6, 49152, seed=8)
+    x[1, 7] = x[1, 4000] = x[1].max() + 1  # a tie: the first index
+    x[2] = float("-inf")  # all masked: index 0, as torch.max
+    x[3, 99] = float("nan")  # a NaN wins, as in torch.max
+    x[4, -1] = x[4].max() + 1  # the last column
+    assert torch.equal(ops.argmax_rows(x), x.max(-1).indices)
+    assert ops.argmax_rows(x[:, :37].contiguous()).tolist() == x[:, :37].max(-1).indices.tolist()
