@@ -1,7 +1,8 @@
 """CPU runtime speed of the embedded SmolLM2-135M-Instruct (fp32), before against after the CPU-path work of issue 13.
 
 Configurations (all in one process, alternated within every repetition):
-- before:   eager forward, the gather + SDPA attention (`attention_backend="torch"`): the path as it was.
+- before:   eager forward, the gather + SDPA attention (`attention_backend="torch"`): the attention as it was (the
+            linears, elementwise ops and argmax are the C++ CPU kernels in every configuration).
 - kernel:   eager forward, the paged C++ attention kernel (`attention_backend="cpu"`, the CPU default).
 - compiled: the kernel plus the torch.compile'd forward (`enable_torch_compile=True`).
 The batched sampler serves all three (it replaced the per-request loops; greedy decoding is an argmax either way).

@@ -7,7 +7,8 @@ repetition (the order flips every repetition). Both get byte-identical token pro
 decoding with EOS ignored, 2 threads (OMP_NUM_THREADS, torch threads), fp32, prefix caching on with its cache reset
 before every measured call (the prompts share nothing).
 
-Systems: `lmc` (the default engine: eager forward, prepacked oneDNN linears, the paged C++ attention kernel),
+Systems: `lmc` (the default engine: eager forward, the C++ CPU kernels of lmc/runtime/attention/cpu_kernel.py for
+the linears (panel GEMM), paged attention, the fused elementwise ops and greedy argmax),
 `lmc-compiled` (`enable_torch_compile=True`; its inductor cache starts empty in a temporary directory, so its first
 repetition's start is a first start and later ones are second starts) and `vllm` (vLLM-CPU's LLM API, block size
 32, in the suite peer's environment: benchmarks/suite/peer.py's `peer_env`, whose thread binding `auto` measured

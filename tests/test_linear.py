@@ -1,11 +1,23 @@
-"""The model's Linear (lmc/runtime/model/linear.py): prepacked for oneDNN on the CPU in fp32, F.linear elsewhere."""
+"""The model's Linear (lmc/runtime/model/linear.py): prepacked on the CPU in fp32 (panels for the C++ GEMM where it
+is built, oneDNN's layout else), F.linear elsewhere."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lmc.runtime.model import linear
 from lmc.runtime.model.linear import Linear, prepack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture(params=["panels", "onednn"])
+def layout(request, monkeypatch):
+    """Each test under both packed layouts: oneDNN's by hiding the panel GEMM."""
+    if request.param == "onednn":
+        monkeypatch.setattr(linear, "_panel_ops", lambda: None)
+    elif linear._panel_ops() is None:
+        pytest.skip("no panel GEMM here (no AVX-512 or no C++ toolchain)")
+    return request.param
 
 
 def make(in_f: int, out_f: int, bias: bool, seed: int = 0) -> Linear:
@@ -19,19 +31,20 @@ def make(in_f: int, out_f: int, bias: bool, seed: int = 0) -> Linear:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_matches_dense_at_every_batch_size(bias):
-    lin = make(96, 160, bias)
+def test_prepacked_matches_dense_at_every_batch_size(bias, layout):
+    lin = make(96, 170, bias)  # 170 outputs: a partial last panel
     w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
     assert lin.prepack() and lin.packed is not None and lin.weight is None  # the dense copy is dropped
+    assert lin.panels == (layout == "panels")
     g = torch.Generator().manual_seed(1)
-    for m in (1, 3, 16, 17, 100):  # the layout is packed for a batch of 16; every batch size must work
+    for m in (1, 3, 8, 16, 17, 100):  # blocks of 8 rows (panels), a layout packed for 16 (oneDNN): all must work
         x = torch.randn(m, 96, generator=g)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     x3 = torch.randn(2, 5, 96, generator=g)  # leading dimensions pass through
     torch.testing.assert_close(lin(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_set_weight_repacks():
+def test_set_weight_repacks(layout):
     lin = make(32, 48, False)
     lin.prepack()
     new = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
@@ -47,7 +60,7 @@ def test_only_cpu_fp32_is_prepacked():
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
-def test_tied_lm_head_is_the_embedding_and_packs_from_it():
+def test_tied_lm_head_is_the_embedding_and_packs_from_it(layout):
     from transformers import LlamaConfig
 
     from lmc.runtime.model.llama import LlamaForCausalLM, ModelConfig

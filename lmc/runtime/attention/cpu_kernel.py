@@ -1,6 +1,6 @@
-"""A C++ CPU attention kernel that reads K and V through the slot table, built once with torch's extension
-builder and cached on disk under the lmc cache dir (`$LMC_CACHE_DIR/torch_extensions`): later starts load the
-built library in a few seconds (`TORCH_EXTENSIONS_DIR` overrides the place).
+"""The C++ CPU kernels, built once with torch's extension builder and cached on disk under the lmc cache dir
+(`$LMC_CACHE_DIR/torch_extensions`): later starts load the built library in a few seconds (`TORCH_EXTENSIONS_DIR`
+overrides the place). One library (`torch.ops.lmc_cpu`), so a first start compiles once.
 
 `paged_attention(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, extend_start, scale)` computes, for
 every new token t of request b (flat index extend_start[b] + i, absolute position prefix_lens[b] + i), causal
@@ -8,7 +8,16 @@ attention over keys 0..position read at slots table[rows[b], j]. Work items are 
 of a slot are loaded once for all query heads of the group (GQA). Scores go to a per-item buffer, then a two-pass
 softmax in fp32 (as transformers' eager attention, so logprobs match it). No K/V is copied.
 
-`load()` returns the compiled op, or None (with a warning) when no C++ toolchain can build it.
+The decoder layer's elementwise ops in fp32, each one pass instead of the torch reference's 5-8 ops
+(kernels/reference.py has their definitions; kernels/__init__.py dispatches to these on the CPU): `rms_norm`,
+`add_rms_norm`, `silu_mul` and `rope_q_write_kv` (RoPE of q and k, with k and v written into the KV cache); and
+the greedy sampler's `argmax_rows` (sampling.py).
+
+On AVX-512 CPUs, a GEMM for the linears (`pack_panels`, `panel_linear`; model/linear.py): weights in panels of 48
+outputs, streamed once per 8 rows of x.
+
+`load()` returns the compiled attention op, `elementwise()` the library's namespace and `panels()` the same where
+it has the GEMM, or None (with a warning, once) when no C++ toolchain can build it.
 """
 from __future__ import annotations
 
@@ -23,10 +32,36 @@ _SOURCE = r"""
 // new user waits for at the first start.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
+
+// exp(x) in plain arithmetic that `omp simd` vectorizes (std::exp stays a scalar libm call): Cephes' expf, 2^n
+// exp(r) with r = x - n ln2 split in two parts and a degree-6 polynomial; within 2 ulp of expf over the clamped
+// range, whose ends give finite results (so x / (1 + exp(-x)) is x or 0 there, never NaN).
+static inline float exp_simd(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  // (std::min/max take references: not vectorized)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
@@ -73,7 +108,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t g = 0; g < G; ++g) {
         float *sg = s.data() + g * n, m = -INFINITY, sum = 0.f;
         for (int64_t j = 0; j < n; ++j) m = sg[j] > m ? sg[j] : m;
-        for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - m); sum += sg[j]; }
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) { sg[j] = exp_simd(sg[j] - m); sum += sg[j]; }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
@@ -93,11 +129,278 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// ---- the decoder layer's elementwise ops, fused (fp32, contiguous rows; kernels/__init__.py dispatches) ----
+// One pass over each row instead of the reference's 5-8 ATen ops per call, each an allocation and a dispatch:
+// ~30 such ops a layer are most of a decode step's non-GEMM host time. Rows run in parallel only for long
+// inputs (a prefill); a decode step's 16 rows run inline, since waking the second thread costs more than them.
+constexpr int64_t kRowGrain = 64;
+
+static void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
+              ": a contiguous fp32 [T, H] tensor expected");
+}
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) for one row: transformers' LlamaRMSNorm in fp32.
+static inline void rms_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < H; ++j) ss += x[j] * x[j];
+  const float r = 1.f / std::sqrt(ss / (float)H + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) y[j] = w[j] * (x[j] * r);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == H && w.is_contiguous(), "rms_norm: fp32 weight [H]");
+  auto y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) rms_row(xp + t * H, wp, yp + t * H, H, (float)eps);
+  });
+  return y;
+}
+
+// (h, rms_norm(h)) for h = residual + x.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
+                                                double eps) {
+  check_rows(residual, "add_rms_norm");
+  check_rows(x, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual and x differ in shape");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == H && w.is_contiguous(), "add_rms_norm: fp32 weight [H]");
+  auto h = at::empty_like(x), y = at::empty_like(x);
+  const float *rp = residual.data_ptr<float>(), *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      float* hr = hp + t * H;
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) hr[j] = rp[t * H + j] + xp[t * H + j];
+      rms_row(hr, wp, yp + t * H, H, (float)eps);
+    }
+  });
+  return {h, y};
+}
+
+// [T, 2I] (gate | up) -> [T, I] silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "silu_mul");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(gu.size(1) == 2 * I, "silu_mul: an even number of columns expected");
+  auto y = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float *g = gp + t * 2 * I, *u = g + I;
+      float* o = yp + t * I;
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.f + exp_simd(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+// Rotate-half RoPE of one head: o = x * cos + rotate_half(x) * sin.
+static inline void rope_head(const float* x, const float* c, const float* s, float* o, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+#pragma omp simd
+  for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+// qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] rotated; the rotated k and v written to k_cache/v_cache [S, Hkv, D] at
+// slots [T]. cos/sin: [T, D], gathered at the tokens' positions.
+at::Tensor rope_q_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t Hq,
+                           int64_t Hkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slots) {
+  check_rows(qkv, "rope_q_write_kv");
+  check_rows(cos, "rope_q_write_kv (cos)");
+  check_rows(sin, "rope_q_write_kv (sin)");
+  const int64_t T = qkv.size(0), D = cos.size(1);
+  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D && D % 2 == 0 && cos.size(0) == T && sin.sizes() == cos.sizes(),
+              "rope_q_write_kv: qkv must be [T, (Hq + 2 Hkv) D] with cos/sin [T, D], D even");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous()
+              && v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == Hkv && k_cache.size(2) == D
+              && v_cache.sizes() == k_cache.sizes(), "rope_q_write_kv: fp32 contiguous caches [S, Hkv, D] expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+              "rope_q_write_kv: int64 slots [T] expected");
+  auto q = at::empty({T, Hq, D}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t S = k_cache.size(0), W = (Hq + 2 * Hkv) * D, KV = Hkv * D;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "rope_q_write_kv: slot out of range");
+  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float *row = xp + t * W, *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, c, s, qp + (t * Hq + h) * D, D);
+      float *kd = kc + sl[t] * KV, *vd = vc + sl[t] * KV;
+      for (int64_t h = 0; h < Hkv; ++h) rope_head(row + (Hq + h) * D, c, s, kd + h * D, D);
+      std::copy(row + (Hq + Hkv) * D, row + W, vd);
+    }
+  });
+  return q;
+}
+
+// Row-wise argmax of [B, V] (the first maximal index, a NaN's if the row has one: torch.max's semantics), for the
+// greedy sampler: two vectorized passes (the max, then the first 64-wide chunk holding it) where torch.max's
+// index-tracking reduction is not vectorized (~0.8 ms over [16, 49152]).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: an empty row");
+  auto out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* r = xp + b * V;
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t j = 0; j < V; ++j) {
+      m = r[j] > m ? r[j] : m;
+      nan |= r[j] != r[j];
+    }
+    int64_t idx = 0;
+    if (nan) {
+      while (r[idx] == r[idx]) ++idx;
+    } else {
+      for (int64_t c = 0; c < V; c += 64) {
+        const int64_t e = std::min<int64_t>(V, c + 64);
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t j = c; j < e; ++j) hit |= r[j] == m;
+        if (hit) {
+          idx = c;
+          while (r[idx] != m) ++idx;
+          break;
+        }
+      }
+    }
+    op[b] = idx;
+  }
+  return out;
+}
+
+// ---- decode-sized linears: y = x W^T (+ b) over weights packed in panels of 48 outputs (AVX-512 only) ----
+// A decode step streams every weight once for a few rows of x, so the GEMM must keep up with memory: oneDNN's
+// kernels for 16 rows ran at ~2x the cycles a byte of this one (measured on this machine, benchmarks/
+// cpu_speed.py). Panels [ceil(N / 48), K, 48] make each thread's share of the weight one sequential stream; an
+// 8-row x 48-output block of accumulators (24 zmm) takes each 48-float weight row once per 8 rows of x, and a
+// panel (K x 192 bytes) stays in L2 for the next 8 rows. One accumulator per output sums over k in order.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LMC_PANELS 1
+constexpr int64_t kPanel = 48;
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_panels: an fp32 [N, K] weight expected");
+  auto wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto out = at::zeros({P, K, kPanel}, w.options());  // outputs past N: zero weights, never stored
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo * kPanel; n < std::min(N, hi * kPanel); ++n)
+      for (int64_t k = 0; k < K; ++k) dst[((n / kPanel) * K + k) * kPanel + n % kPanel] = src[n * K + k];
+  });
+  return out;
+}
+
+template <int MB>
+static inline void panel_block(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t n0,
+                               const float* bias) {
+  __m512 acc[MB][3];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = wp + k * kPanel;
+    _mm_prefetch((const char*)(wk + 16 * kPanel), _MM_HINT_T0);  // 3 KB ahead (harmless past the end)
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * K + k]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+    }
+  }
+  const int64_t rem = std::min<int64_t>(kPanel, N - n0);
+  for (int j = 0; j < 3 && 16 * j < rem; ++j) {
+    const int64_t cnt = std::min<int64_t>(16, rem - 16 * j);
+    const __mmask16 m = (__mmask16)(cnt == 16 ? 0xFFFFu : (1u << cnt) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n0 + 16 * j) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * N + n0 + 16 * j, m, _mm512_add_ps(acc[i][j], b));
+  }
+}
+
+// x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N].
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  check_rows(x, "panel_linear");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.dim() == 3 &&
+              panels.size(1) == K && panels.size(2) == kPanel && P * kPanel >= N && (P - 1) * kPanel < N,
+              "panel_linear: the panels are not an [N, K] weight's for this x");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "panel_linear: an fp32 bias [N] expected");
+  auto y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const float* w = wp + p * K * kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const float* xr = xp + m0 * K;
+        float* yr = yp + m0 * N;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 8: panel_block<8>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 7: panel_block<7>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 6: panel_block<6>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 5: panel_block<5>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 4: panel_block<4>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 3: panel_block<3>(xr, K, w, yr, N, p * kPanel, bp); break;
+          case 2: panel_block<2>(xr, K, w, yr, N, p * kPanel, bp); break;
+          default: panel_block<1>(xr, K, w, yr, N, p * kPanel, bp); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 TORCH_LIBRARY(lmc_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor rows, Tensor prefix, Tensor extend, "
         "Tensor start, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("rope_q_write_kv(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+#ifdef LMC_PANELS
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+#endif
 }
-TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("rope_q_write_kv", &rope_q_write_kv);
+#ifdef LMC_PANELS
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+#endif
+}
 """
 
 _lock = threading.Lock()
@@ -121,21 +424,37 @@ def load():
         return _loaded[0]
 
 
+def elementwise():
+    """`torch.ops.lmc_cpu` (rms_norm, add_rms_norm, silu_mul, rope_q_write_kv), or None where the library cannot
+    be built."""
+    return torch.ops.lmc_cpu if load() is not None else None
+
+
+def panels():
+    """`torch.ops.lmc_cpu` when it has the panel GEMM (`pack_panels`, `panel_linear`: built on AVX-512 CPUs
+    only), else None."""
+    lib = elementwise()
+    if lib is None or not torch._C._dispatch_has_kernel_for_dispatch_key("lmc_cpu::panel_linear", "CPU"):
+        return None
+    return lib
+
+
 def _build():
     try:
         from torch.utils.cpp_extension import load_inline
 
         # torch's builder hashes the source: an edited kernel is rebuilt, an unchanged one is loaded as built.
-        path = os.path.join(build_dir(), "lmc_cpu_attention")
+        path = os.path.join(build_dir(), "lmc_cpu_kernels")
         os.makedirs(path, exist_ok=True)
-        load_inline("lmc_cpu_attention", cpp_sources=_SOURCE, build_directory=path, verbose=False,
+        load_inline("lmc_cpu_kernels", cpp_sources=_SOURCE, build_directory=path, verbose=False,
                     is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
         op = torch.ops.lmc_cpu.paged_attention
         # Its output is shaped like q: what torch.compile needs to trace through the op without running it.
         torch.library.register_fake("lmc_cpu::paged_attention")(lambda q, *_: torch.empty_like(q))
+        if torch._C._dispatch_has_kernel_for_dispatch_key("lmc_cpu::panel_linear", "CPU"):
+            torch.library.register_fake("lmc_cpu::panel_linear")(lambda x, panels, n, bias: x.new_empty(x.shape[0], n))
         return op
-    except Exception as e:  # no compiler, no ninja, a failed build: attention falls back to gather + SDPA
-        warnings.warn(f"the CPU attention kernel could not be built ({type(e).__name__}: {e}); "
-                      "falling back to gather + SDPA", RuntimeWarning, stacklevel=3)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch reference ops run instead
+        warnings.warn(f"the CPU kernels could not be built ({type(e).__name__}: {e}); "
+                      "falling back to gather + SDPA attention and torch elementwise ops", RuntimeWarning, stacklevel=3)
         return None
-

@@ -3,10 +3,12 @@ and k in one pass over the QKV projection's output (with the new k and v written
 pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny GEMM for the shapes where it measured
 faster than cuBLAS, skinny_gemm.py).
 
-Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors and the torch
-reference (reference.py) otherwise, so the CPU forward's numerics, and torch.compile's view of it, are the plain
-torch ops they always were. The Triton kernels round where the torch ops round (to the activation dtype after
-each op) so that GPU results stay within an ulp of the reference rather than merely within bf16 noise.
+Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors, the C++ kernel
+(attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for fp32 CPU tensors in eager mode,
+and the torch reference (reference.py) otherwise: torch.compile's view of the CPU forward is the plain torch ops
+they always were, which inductor fuses itself. The Triton kernels round where the torch ops round (to the
+activation dtype after each op) so that GPU results stay within an ulp of the reference rather than merely within
+bf16 noise.
 """
 from __future__ import annotations
 
@@ -20,10 +22,25 @@ def _fused(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+_cpu_lib: list = []  # [torch.ops.lmc_cpu, or None where it cannot be built] once looked up
+
+
+def _cpu_ops(x: torch.Tensor):
+    """The C++ CPU kernels (attention/cpu_kernel.py) for an fp32 CPU tensor outside torch.compile, else None
+    (inductor fuses the reference ops itself, and other dtypes have no C++ kernel)."""
+    if not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    if not _cpu_lib:
+        from ..attention.cpu_kernel import elementwise
+
+        _cpu_lib.append(elementwise())
+    return _cpu_lib[0]
+
+
 def fuses_kv_write(x: torch.Tensor) -> bool:
     """Whether rope_q_write_kv runs as one kernel for x (else the caller keeps RoPE and the KV write apart, as
-    the CPU forward does so that the write stays outside torch.compile's graphs)."""
-    return _fused(x)
+    the compiled CPU forward does so that the write stays outside torch.compile's graphs)."""
+    return _fused(x) or _cpu_ops(x) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,6 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from . import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps)
+    cpu = _cpu_ops(x)
+    if cpu is not None:
+        return cpu.rms_norm(x.contiguous(), weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -53,6 +73,9 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         from . import triton_ops
 
         return triton_ops.add_rms_norm(residual, x, weight, eps)
+    cpu = _cpu_ops(x)
+    if cpu is not None:
+        return cpu.add_rms_norm(residual.contiguous(), x.contiguous(), weight, eps)
     return reference.add_rms_norm(residual, x, weight, eps)
 
 
@@ -62,6 +85,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from . import triton_ops
 
         return triton_ops.silu_mul(gate_up)
+    cpu = _cpu_ops(gate_up)
+    if cpu is not None:
+        return cpu.silu_mul(gate_up.contiguous())
     return reference.silu_mul(gate_up)
 
 
@@ -80,9 +106,14 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
 def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                     head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """rope_qk, with the rotated k and v written straight into one layer's KV cache at `slots` ([T] int64) instead
-    of being returned: returns q. One kernel on CUDA; the torch reference (rope, then two index writes) else."""
+    of being returned: returns q. One kernel on CUDA and (fp32) on the CPU; the torch reference (rope, then two index
+    writes) else."""
     if _fused(qkv):
         from . import triton_ops
 
         return triton_ops.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+    cpu = _cpu_ops(qkv)
+    if cpu is not None and head_dim == cos.shape[-1]:
+        return cpu.rope_q_write_kv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_q_heads, num_kv_heads,
+                                   k_cache, v_cache, slots.long().contiguous())
     return reference.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)

@@ -1,12 +1,15 @@
-"""The model's linear layers: `y = x W^T (+ b)`, with the weight prepacked for oneDNN on the CPU.
+"""The model's linear layers: `y = x W^T (+ b)`, with the weight prepacked on the CPU.
 
 A decode step on the CPU is bound by reading the weights (fp32 SmolLM2-135M: 540 MB a step), and a plain
 `F.linear` hands MKL a row-major weight that it re-blocks on every call. `prepack_linears(model)` reorders each
-fp32 CPU weight once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the layout that
-inductor's freezing pass and vLLM's CPU backend use) and drops the dense copy; forwards then run
-`torch.ops.mkldnn._linear_pointwise` on it, which serves any batch size (the batch hint only tunes the layout).
-MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) is not used: it takes its packed path only at the exact
-batch size it was packed for and runs an unpacked GEMM otherwise.
+fp32 CPU weight once and drops the dense copy, into one of two layouts:
+- panels (AVX-512 CPUs, where the C++ library of attention/cpu_kernel.py has `panel_linear`): [N / 48, K, 48],
+  run by that library's GEMM, which streams each panel once per 8 rows of x. At decode batch sizes oneDNN's
+  kernels take about twice its time per weight byte on this machine (2 cores, AVX-512: benchmarks/cpu_speed.py).
+- oneDNN's blocked layout elsewhere (`torch.ops.mkldnn._reorder_linear_weight`, the layout that inductor's
+  freezing pass and vLLM's CPU backend use), run by `torch.ops.mkldnn._linear_pointwise`; it serves any batch size
+  (the batch hint only tunes the layout). MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) is not used: it
+  takes its packed path only at the exact batch size it was packed for and runs an unpacked GEMM otherwise.
 
 Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is an ordinary module with a
 `weight` parameter [out_features, in_features] and an optional `bias` [out_features], named as nn.Linear's.
@@ -24,7 +27,23 @@ PACK_BATCH_HINT = 16
 
 
 def prepack_supported(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
+        torch.backends.mkldnn.is_available() or _panel_ops() is not None)
+
+
+def _panel_ops():
+    """The C++ library with the panel GEMM, or None (no AVX-512, no toolchain)."""
+    from ..attention.cpu_kernel import panels
+
+    return panels()
+
+
+def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(packed weight, whether it is in panels)."""
+    ops = _panel_ops()
+    if ops is not None:
+        return ops.pack_panels(weight.detach().float().contiguous()), True
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), PACK_BATCH_HINT), False
 
 
 class Linear(nn.Module):
@@ -33,17 +52,18 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN-blocked weight once prepack() ran; then `weight` is None
+        self.packed: torch.Tensor | None = None  # the packed weight once prepack() ran; then `weight` is None
+        self.panels = False  # whether `packed` is in panels (else oneDNN's layout)
 
     @torch.no_grad()
     def prepack(self) -> bool:
-        """Reorder the weight into oneDNN's layout and drop the dense copy. Returns whether it did (CPU fp32
-        with oneDNN only; elsewhere the layer stays on F.linear)."""
+        """Pack the weight (panels or oneDNN's layout: see the module docstring) and drop the dense copy. Returns
+        whether it did (CPU fp32 only; elsewhere the layer stays on F.linear)."""
         if self.packed is not None:
             return True
         if not prepack_supported(self.weight):
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
+        self.packed, self.panels = _pack(self.weight)
         self.weight = None  # a tied weight stays alive through its other owner (the embedding)
         return True
 
@@ -53,18 +73,22 @@ class Linear(nn.Module):
         if self.packed is None:
             self.weight.copy_(weight)
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), PACK_BATCH_HINT)
+            self.packed, self.panels = _pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return kernels.linear(x, self.weight, self.bias)  # F.linear, or a faster decode GEMM on the GPU
+        if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"prepacked={self.packed is not None}")
+                f"prepacked={'panels' if self.panels else self.packed is not None}")
 
 
 def prepack_linears(model: nn.Module) -> int:

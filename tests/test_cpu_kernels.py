@@ -1,0 +1,79 @@
+"""The C++ CPU elementwise kernels (lmc/runtime/attention/cpu_kernel.py), which kernels/__init__.py dispatches fp32
+CPU tensors to, against the torch reference ops (kernels/reference.py) at decode and prefill row counts."""
+import pytest
+import torch
+
+from lmc.runtime import kernels
+from lmc.runtime.attention.cpu_kernel import elementwise
+from lmc.runtime.kernels import reference
+
+TOL = dict(rtol=4e-6, atol=4e-6)  # a few ulp: the C++ sums and exp round differently from ATen's
+
+
+@pytest.fixture(scope="module")
+def ops():
+    lib = elementwise()
+    if lib is None:
+        pytest.skip("no C++ toolchain here: the kernels could not be built (the reference ops are what runs)")
+    return lib
+
+
+def rand(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_norms_and_silu_mul_match_the_reference(ops, tokens):
+    res, x, w = rand(tokens, 576, seed=1), rand(tokens, 576, seed=2), rand(576, seed=3)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL)
+    h, y = ops.add_rms_norm(res, x, w, 1e-5)
+    ref_h, ref_y = reference.add_rms_norm(res, x, w, 1e-5)
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    gu = rand(tokens, 2 * 1536, seed=4, scale=6)
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 90.0, -90.0])  # past exp's range: finite, 0 or the input
+    out = ops.silu_mul(gu)
+    torch.testing.assert_close(out, reference.silu_mul(gu), **TOL)
+    assert out[0, :4].tolist()[0] == 0 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_rope_q_write_kv_matches_rope_then_index_writes(ops, tokens):
+    hq, hkv, dim, num_slots = 9, 3, 64, tokens + 9
+    qkv = rand(tokens, (hq + 2 * hkv) * dim, seed=5)
+    angles = torch.randint(0, 4096, (tokens, 1)).float() * rand(1, dim // 2, seed=6).abs()
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(7))[:tokens]
+    k_cache, v_cache = (torch.full((num_slots, hkv, dim), float("nan")) for _ in range(2))
+    q = kernels.rope_q_write_kv(qkv, cos, sin, hq, hkv, dim, k_cache, v_cache, slots)
+    ref_q, ref_k, ref_v = reference.rope_qk(qkv, cos, sin, hq, hkv, dim)
+    torch.testing.assert_close(q, ref_q, **TOL)
+    torch.testing.assert_close(k_cache[slots], ref_k, **TOL)
+    assert torch.equal(v_cache[slots], ref_v)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+
+
+def test_bad_input_is_refused_by_name(ops):
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_q_write_kv(torch.zeros(1, 5 * 4), torch.zeros(1, 4), torch.zeros(1, 4), 3, 1, torch.zeros(2, 1, 4),
+                            torch.zeros(2, 1, 4), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-5)
+
+
+def test_dispatch_takes_the_kernels_only_in_eager_fp32(ops):
+    x = torch.zeros(2, 8)
+    assert kernels._cpu_ops(x) is ops and kernels.fuses_kv_write(x)
+    assert kernels._cpu_ops(x.double()) is None and not kernels.fuses_kv_write(x.bfloat16())
+
+
+def test_argmax_rows_is_torch_max_index(ops):
+    x = rand(6, 49152, seed=8)
+    x[1, 7] = x[1, 4000] = x[1].max() + 1  # a tie: the first index
+    x[2] = float("-inf")  # all masked: index 0, as torch.max
+    x[3, 99] = float("nan")  # a NaN wins, as in torch.max
+    x[4, -1] = x[4].max() + 1  # the last column
+    assert torch.equal(ops.argmax_rows(x), x.max(-1).indices)
+    assert ops.argmax_rows(x[:, :37].contiguous()).tolist() == x[:, :37].max(-1).indices.tolist()
