@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lmc.runtime.attention import ForwardBatch, make_backend
+from lmc.runtime.attention import cpu_backend
 from lmc.runtime.attention.cpu_backend import KERNEL_MAX_EXTEND, CpuAttention
 from lmc.runtime.attention.torch_backend import TorchAttention
 from lmc.runtime.memory import KVCache
@@ -51,15 +52,23 @@ def kernel_backend():
     ([0, 3, 10], [7, 1, 12], 4, 4),  # mixed extends with prefixes, MHA
     ([31], [33], 8, 2),  # one long extend
 ])
-def test_kernel_matches_gather_and_sdpa(kernel_backend, prefix_lens, extend_lens, heads, kv_heads):
+def test_kernel_matches_gather_and_sdpa(kernel_backend, prefix_lens, extend_lens, heads, kv_heads, monkeypatch):
+    monkeypatch.setattr(cpu_backend, "KERNEL_MAX_EXTEND", 64)  # the kernel runs even the extends it hands on
     batch = batch_for(prefix_lens, extend_lens, kv_heads, 16)
     q = torch.randn(sum(extend_lens), heads, 16, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(attend(kernel_backend, batch, q), attend(TorchAttention(), batch, q),
-                               atol=2e-6, rtol=1e-5)
+    got = attend(kernel_backend, batch, q)
+    assert isinstance(batch.meta, cpu_backend._KernelArgs)  # the kernel ran, not the reference
+    torch.testing.assert_close(got, attend(TorchAttention(), batch, q), atol=2e-6, rtol=1e-5)
 
 
-def test_long_extends_go_to_the_reference_path(kernel_backend):
-    batch = batch_for([0], [KERNEL_MAX_EXTEND + 1], 2, 8)
-    q = torch.randn(KERNEL_MAX_EXTEND + 1, 2, 8)
-    torch.testing.assert_close(attend(kernel_backend, batch, q), attend(TorchAttention(), batch, q))
-    assert hasattr(batch.meta, "key_slots")  # the reference backend prepared it
+@pytest.mark.parametrize("prefix_lens,extend_lens", [
+    ([0], [KERNEL_MAX_EXTEND + 1]),  # one long extend alone
+    ([40, 0, 7, 3], [KERNEL_MAX_EXTEND + 5, 1, 3 * KERNEL_MAX_EXTEND, KERNEL_MAX_EXTEND]),  # long, decode, short
+])
+def test_long_extends_go_to_sdpa_one_request_at_a_time(kernel_backend, prefix_lens, extend_lens):
+    batch = batch_for(prefix_lens, extend_lens, 2, 8)
+    q = torch.randn(sum(extend_lens), 4, 8, generator=torch.Generator().manual_seed(2))
+    got = attend(kernel_backend, batch, q)
+    m = batch.meta
+    assert isinstance(m, cpu_backend._Mixed) and len(m.long) == sum(e > KERNEL_MAX_EXTEND for e in extend_lens)
+    torch.testing.assert_close(got, attend(TorchAttention(), batch, q), atol=2e-6, rtol=1e-5)
