@@ -329,22 +329,28 @@ def test_select_lowering_plans_single_token_choices_only(engine, tokenizer):
                                                       tokenizer=tokenizer)["select_lowering"] == {}
 
 
-def test_lowered_select_decides_like_the_interpreter_with_fewer_prompt_tokens(engine):
+def _with_and_without_select_lowering(program, args, engine, names, stat):
+    """Runs `program` compiled with and without select lowering; each run gives the interpreter's variables and
+    text, and each select's normalized prompt logprob within 1e-4. Returns {lowering: engine stat `stat` used}."""
     backend = sgl.Local(engine=engine)
-    args = [{"answer": a} for a in ("Paris is in France", "Two plus two is five", "Cats bark")]
-    interpreted = rate.run_batch(args, backend=backend, temperature=0)
+    interpreted = program.run_batch(args, backend=backend, temperature=0)
     used = {}
     for lowering in (True, False):
         engine.flush_cache()
-        before = engine.stats()["prompt_tokens"]
-        states = rate.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
-        used[lowering] = engine.stats()["prompt_tokens"] - before
+        before = engine.stats()[stat]
+        states = program.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
+        used[lowering] = engine.stats()[stat] - before
         for state, ref in zip(states, interpreted):
-            assert state.variables() == ref.variables()
-            for name in ("verdict", "again"):
+            assert state.variables() == ref.variables() and state.text() == ref.text()
+            for name in names:
                 got = state.get_meta_info(name)["normalized_prompt_logprobs"]
-                want = ref.get_meta_info(name)["normalized_prompt_logprobs"]
-                assert got == pytest.approx(want, abs=1e-4)
+                assert got == pytest.approx(ref.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-4)
+    return used
+
+
+def test_lowered_select_decides_like_the_interpreter_with_fewer_prompt_tokens(engine):
+    args = [{"answer": a} for a in ("Paris is in France", "Two plus two is five", "Cats bark")]
+    used = _with_and_without_select_lowering(rate, args, engine, ("verdict", "again"), "prompt_tokens")
     assert used[True] < used[False]  # one scoring request per lowered select instead of one per choice
 
 
@@ -394,19 +400,8 @@ def test_a_healed_select_scores_like_the_per_choice_requests(engine):
 
 
 def test_a_healed_select_in_an_engine_chain_decides_like_the_interpreter_with_fewer_tokens(engine):
-    backend = sgl.Local(engine=engine)
     args = [{"question": q} for q in ("Where is Rome?", "What is 2 + 2?", "Who wrote Hamlet?")]
-    interpreted = act.run_batch(args, backend=backend, temperature=0)
-    computed = {}
-    for lowering in (True, False):
-        engine.flush_cache()
-        before = engine.stats()["computed_tokens"]
-        states = act.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
-        computed[lowering] = engine.stats()["computed_tokens"] - before
-        for state, ref in zip(states, interpreted):
-            assert state.variables() == ref.variables() and state.text() == ref.text()
-            got = state.get_meta_info("action")["normalized_prompt_logprobs"]
-            assert got == pytest.approx(ref.get_meta_info("action")["normalized_prompt_logprobs"], abs=1e-4)
+    computed = _with_and_without_select_lowering(act, args, engine, ("action",), "computed_tokens")
     assert computed[True] < computed[False]  # one scoring forward instead of a request per choice
 
 
