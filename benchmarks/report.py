@@ -711,7 +711,7 @@ def _register_suite() -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     # by name: the suite also writes suite_quick.json (its smoke runs) next to its recorded runs
-    for name in ("suite_cpu.json", "suite_h200.json"):
+    for name in ("suite_cpu.json", "suite_cpu_large.json", "suite_h200.json"):
         SECTIONS[name] = mod.render
     README_LINES["suite_cpu.json"] = mod.readme_line
 

@@ -46,8 +46,9 @@ def test_every_named_size_covers_every_workload_within_the_data():
 
     for size, counts in SIZES.items():
         assert set(counts) == set(BUILDERS), size
-    for name, n in SIZES["recorded"].items():
-        assert len(build(name, "recorded").calls) == n, name  # the data holds the recorded batch
+    for size in ("recorded", "large"):
+        for name, n in SIZES[size].items():
+            assert len(build(name, size).calls) == n, (size, name)  # the data holds the recorded batches
     assert len(build("rag", "quick", n=5).calls) == 5
     with pytest.raises(ValueError, match="at least one program"):
         build("rag", n=0)

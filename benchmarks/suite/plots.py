@@ -46,6 +46,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def has_latency(results: dict) -> bool:
+    return any(isinstance(results[w][s].get("latency_s"), dict)
+               for w in workload_names(results) for s in results[w])
+
+
 def throughput(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.6))
     _bars(ax, results, "programs_per_s", normalize=True)
@@ -101,9 +106,10 @@ def ablation(results: dict, path: Path) -> Path:
 
 def write_all(results: dict, out_dir: Path, prefix: str = "suite_cpu") -> list[Path]:
     out_dir = Path(out_dir)
-    paths = [throughput(results, out_dir / f"{prefix}_throughput.png"),
-             latency(results, out_dir / f"{prefix}_latency.png"),
-             hit_rates(results, out_dir / f"{prefix}_hit_rate.png")]
+    paths = [throughput(results, out_dir / f"{prefix}_throughput.png")]
+    if has_latency(results):  # a throughput-only run (--latency-runs 0 and no one-program batch) has none
+        paths.append(latency(results, out_dir / f"{prefix}_latency.png"))
+    paths.append(hit_rates(results, out_dir / f"{prefix}_hit_rate.png"))
     if "_ablation" in results:
         paths.append(ablation(results, out_dir / f"{prefix}_ablation.png"))
     return paths

