@@ -118,6 +118,32 @@ def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
             off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
 
 
+def test_select_of_single_tokens_is_scored_by_ids_without_the_plans_ids(engine):
+    """A plan lowered for an endpoint carries no token ids (what /v1/programs receives): the engine finds that
+    each choice is one token after the text and scores them all in one forward, as select_tokens would, with
+    the decision and logprobs of the per-choice requests."""
+    text = "Question: is a lemon sour?\nOn a scale of 1 to 5, I rate it "
+    choices = ["1", "2", "3", "4", "5"]
+    step_by_step = asyncio.run(lmc.Local(engine=engine).select(text, choices, 0.0, token_length_normalized))
+    steps = [{"text": text, "choices": choices, "method": token_length_normalized}]
+
+    async def run():
+        async for item in engine.async_chain(steps):
+            pass
+        return item
+
+    assert engine.flush_cache()  # the prompt is computed afresh: children would need two forwards
+    before = engine.stats()
+    final = asyncio.run(run())
+    after = engine.stats()
+    assert after["forwards"] - before["forwards"] == 1  # no choice children: they would take a second forward
+    assert after["continuations"] == before["continuations"]
+    seg = final["segments"][0]
+    assert seg["text"] == step_by_step.decision
+    assert seg["meta_info"]["normalized_prompt_logprobs"] == pytest.approx(
+        step_by_step.meta_info["normalized_prompt_logprobs"], abs=1e-3)
+
+
 def test_each_call_streams_as_it_finishes(engine):
     g = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     steps = [{"text": "Count: one, two,", "gen": g},
