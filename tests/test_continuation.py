@@ -52,9 +52,9 @@ class CountedEnqueues:
     def __init__(self, engine):
         self.engine, self.count, self.real = engine, 0, engine._enqueue_batch
 
-    def __call__(self, batch):
+    def __call__(self, batch, loop=None):
         self.count += len(batch)
-        return self.real(batch)
+        return self.real(batch, loop)
 
 
 @pytest.fixture
@@ -118,6 +118,32 @@ def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
             off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
 
 
+def test_select_of_single_tokens_is_scored_by_ids_without_the_plans_ids(engine):
+    """A plan lowered for an endpoint carries no token ids (what /v1/programs receives): the engine finds that
+    each choice is one token after the text and scores them all in one forward, as select_tokens would, with
+    the decision and logprobs of the per-choice requests."""
+    text = "Question: is a lemon sour?\nOn a scale of 1 to 5, I rate it "
+    choices = ["1", "2", "3", "4", "5"]
+    step_by_step = asyncio.run(lmc.Local(engine=engine).select(text, choices, 0.0, token_length_normalized))
+    steps = [{"text": text, "choices": choices, "method": token_length_normalized}]
+
+    async def run():
+        async for item in engine.async_chain(steps):
+            pass
+        return item
+
+    assert engine.flush_cache()  # the prompt is computed afresh: children would need two forwards
+    before = engine.stats()
+    final = asyncio.run(run())
+    after = engine.stats()
+    assert after["forwards"] - before["forwards"] == 1  # no choice children: they would take a second forward
+    assert after["continuations"] == before["continuations"]
+    seg = final["segments"][0]
+    assert seg["text"] == step_by_step.decision
+    assert seg["meta_info"]["normalized_prompt_logprobs"] == pytest.approx(
+        step_by_step.meta_info["normalized_prompt_logprobs"], abs=1e-3)
+
+
 def test_each_call_streams_as_it_finishes(engine):
     g = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     steps = [{"text": "Count: one, two,", "gen": g},
@@ -167,3 +193,52 @@ def test_aborted_chain_gives_up_its_kv(engine):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert [s["index"] for s in out["segments"]] == [0]
     assert engine.load()["request_owned_slots"] == 0  # (the engine checks slot accounting after every step)
+
+
+class RecordedInbox:
+    """Test double around the engine's inbox: records the kind and size of each item put in it."""
+
+    def __init__(self, inbox):
+        self.inbox, self.items = inbox, []
+
+    def put(self, item):
+        kind, payload = item
+        self.items.append((kind, len(payload) if kind == "reqs" else payload))
+        self.inbox.put(item)
+
+    def __getattr__(self, name):
+        return getattr(self.inbox, name)
+
+
+def test_requests_a_loop_submits_together_reach_the_scheduler_together(engine, monkeypatch):
+    """What the coroutines of one event-loop iteration submit (a fork's prefix and its branches' chains) is
+    admitted together, as one inbox item: the scheduler never starts a forward with the first alone. An abort
+    after them stays after them."""
+    inbox = RecordedInbox(engine._inbox)
+    monkeypatch.setattr(engine, "_inbox", inbox)
+    g = {"max_new_tokens": 2, "temperature": 0}
+    steps = [{"text": "List: apples,", "gen": g}]
+
+    async def chain():
+        async for item in engine.async_chain(steps):
+            pass
+        return item
+
+    async def together():
+        return await asyncio.gather(engine.async_generate("List:", {"max_new_tokens": 0}), chain(), chain(),
+                                    engine.async_generate("List: pears,", g))
+
+    prefix, a, b, pears = asyncio.run(together())
+    assert inbox.items == [("reqs", 4)]
+    assert a["segments"][0]["text"] == b["segments"][0]["text"] == engine.generate("List: apples,", g)["text"]
+    assert pears["text"] == engine.generate("List: pears,", g)["text"]
+
+    async def cancelled():
+        task = asyncio.ensure_future(engine.async_generate("Count:", {"max_new_tokens": 64, "ignore_eos": True}))
+        await asyncio.sleep(0)  # the request is held until this iteration ends; the abort follows it
+        task.cancel()
+        return await asyncio.gather(task, return_exceptions=True)
+
+    inbox.items.clear()
+    assert isinstance(asyncio.run(cancelled())[0], asyncio.CancelledError)
+    assert [kind for kind, _ in inbox.items] == ["reqs", "abort"]

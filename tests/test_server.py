@@ -611,3 +611,31 @@ def test_streamed_generate_events_carry_token_counts(http):
     assert all("cached_tokens" in e["meta_info"] for e in events)
     assert counts == sorted(counts) and counts[-1] == 8 and counts[0] >= 1, counts
     assert events[0]["meta_info"]["cached_tokens"] == events[-1]["meta_info"]["cached_tokens"] > 0
+
+
+def test_kept_alive_requests_do_not_wait_for_delayed_acks(server):
+    """The server's connections have Nagle's algorithm off: without TCP_NODELAY a response written in two pieces
+    (head, body) waits for the client's delayed ACK of the first, at least 40 ms per request on a kept-alive
+    connection (what every call of an interpreted program paid)."""
+    import socket
+
+    sock = socket.create_connection((server.host, server.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the client's side sends each request in one write
+    body = b'{"prompt": "hello"}'
+    request = (f"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    times = []
+    with sock:
+        for _ in range(12):
+            t0 = time.perf_counter()
+            sock.sendall(request)
+            data = b""
+            while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+                data += sock.recv(65536)
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[len(times) // 2] < 0.03, times  # the median: a delayed ACK is 40 ms at the least
+
+
+def _content_length(response: bytes) -> int:
+    head = response.split(b"\r\n\r\n", 1)[0].decode().lower()
+    return int(re.search(r"content-length: *(\d+)", head).group(1))

@@ -17,20 +17,24 @@ does it go back to the queue and re-match.
 
 A select step is scored in the engine as the step-by-step backend (lmc.Local) scores it, from the same logprobs,
 decided by the step's method (lmc.protocol.decide); the chosen choice is the text appended:
-- where each choice is its one token id after the text, or after the text less its last token (a word after a
-  trailing space: lmc.protocol.token_select_prompt), by the request itself (`select_tokens`): one forward over the
-  prompt's end gives its last prompt logprobs and each choice id's next-token logprob;
+- where each choice is one token after the text, or after the text less its last token (a word after a
+  trailing space: lmc.protocol.token_select_prompt's rule, `single_tokens`), by the request itself
+  (`select_tokens`): one forward over the prompt's end gives its last prompt logprobs and each choice id's
+  next-token logprob. The ids come from the choices' encodings here, so a plan need not have lowered the select
+  (a plan lowered for an endpoint, sent to /v1/programs, has no ids);
 - otherwise (`select`), by one child request per choice (text + choice, prefill only, logprobs from two tokens
   before the text's end), queued by the scheduler itself: the parent puts its computed KV into the radix tree
   (keeping it) and waits, parked, while the children share that prefix; their logprobs decide, and the parent
   goes on with its KV. A select as a chain's first step queues its children as the request arrives, with no
   prefill of the prompt of its own (which would compute the prompt's end once more than the step-by-step
   select's requests, which share the prompt in their batch): the children share it in theirs.
-  Select fusion: where the select is followed by a plain greedy gen (`Continuation._fused`), each child prefills
+  Select fusion: where the select is followed by a plain greedy gen (`fused_prompts`), each child prefills
   on through its choice into that gen's prompt and samples one token; the winner's prompt is the gen's prompt and
   its token the gen's first (greedy: what the gen's own first forward would pick), so the parent starts the gen
   from there, one forward sooner. The choice is scored from the same positions as without fusion. Only where
   the losing choices' share of the gen's text is short (FUSE_MAX_EXTRA_TOKENS): they compute it for nothing.
+  Where it applies, fusion is preferred to scoring by ids (`plan_select`): it saves the forward over the next
+  gen's prompt, which scoring by ids still needs.
 When the parent goes on to its next call, the radix tree may already hold more of the new text than its own KV
 (an earlier request's, or the winning child's): it adopts that prefix (`CacheManager.adopt`) instead of
 recomputing it, as a new request's prefix match would.
@@ -82,26 +86,79 @@ class Chain:
     choice_logprobs: list | None = None
     scored: dict | None = None
     emitted: int = 0  # segments handed to the caller's stream so far (the engine's side)
-    # Select fusion (Continuation._fused): per choice, the length of its own logprobs in its child's and the
+    # Select fusion (fused_prompts): per choice, the length of its own logprobs in its child's and the
     # child's (prompt ids, sampled token); then the winner's, which the next gen starts from.
     fused: tuple[list[int], list] | None = None
     first: tuple[list[int], int] | None = None
 
 
-def select_params(start: int, step: ChainStep) -> SamplingParams:
-    """A select step's request: one greedy token, with the prompt logprobs from `start` and the choices'."""
+def select_params(start: int, token_ids: list[int]) -> SamplingParams:
+    """A select step's request: one greedy token, with the prompt logprobs from `start` and the choices' ids'."""
     return SamplingParams(max_new_tokens=1, temperature=0, return_logprob=True, logprob_start_len=start,
-                          token_ids_logprob=list(step.token_ids))
+                          token_ids_logprob=list(token_ids))
 
 
-def single_tokens(tokenizer, text: str, step: ChainStep) -> tuple[list[int], int] | None:
-    """(prompt ids, logprob start) of the one request scoring a select whose choices are single tokens here
-    (lmc.protocol.token_select_prompt, what select_tokens checks before scoring by ids); None otherwise."""
-    if step.token_ids is None:
+def single_tokens(ids: list[int], prompts: list[list[int]], step: ChainStep) -> tuple[list[int], int, list[int]] | None:
+    """(prompt ids, logprob start, the choices' token ids) of the one request scoring a select whose choices are
+    single tokens here, or None. `ids` is the text's encoding, `prompts` each choice's (text + choice). The rule is
+    lmc.protocol.token_select_prompt's: each choice is one token after the text, or after the text less its last
+    token (a word after a trailing space), so the request's prompt logprobs from two tokens before the text's end
+    plus each id's next-token logprob are exactly the per-choice requests' vectors. The ids come from the
+    encodings; where the plan lowered the select (`step.token_ids`), they must be the plan's."""
+    for cut in (len(ids), len(ids) - 1):
+        if cut >= 1 and all(len(p) == cut + 1 and p[:cut] == ids[:cut] for p in prompts):
+            tokens = [p[cut] for p in prompts]
+            if step.token_ids is None or tokens == step.token_ids:
+                return ids[:cut], max(len(ids) - 2, 0), tokens
+    return None
+
+
+def fused_prompts(tokenizer, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
+    """Select fusion: where the select at `at` is followed by a plain greedy gen, each choice's child may
+    prefill on into that gen's prompt (text + choice + the gen's text) and sample its first token; the
+    winner's prompt is the gen's prompt, so the gen starts from its KV with its first token known, one
+    forward sooner. Only where each choice's own tokens are a prefix of its fused prompt (the choice scores
+    from the same positions) and sampling is greedy with nothing that reads the outputs: the child's token
+    is the one the gen's first forward would pick. Returns the fused prompts, or None."""
+    nxt = chain.steps[at + 1] if at + 1 < len(chain.steps) else None
+    g = nxt.gen if nxt is not None else None
+    if (g is None or nxt.grammar is not None or not g.greedy or g.max_new_tokens < 1 or g.min_new_tokens
+            or g.return_logprob or g.top_logprobs_num or g.token_ids_logprob is not None
+            or g.logit_bias or g.frequency_penalty or g.presence_penalty or g.repetition_penalty != 1.0):
         return None
-    from ..protocol import token_select_prompt  # (pure Python: the one check of every select by ids)
+    choices = chain.steps[at].choices
+    out = [tokenizer.encode(text + c + nxt.text) for c in choices]
+    if any(f[:len(p)] != p or len(f) >= limit for f, p in zip(out, prompts)):
+        return None
+    extra = sum(len(f) - len(p) for f, p in zip(out, prompts)) - min(len(f) - len(p) for f, p in zip(out, prompts))
+    if extra > FUSE_MAX_EXTRA_TOKENS:
+        return None  # the losing choices would compute more of the gen's text than the forward saved costs
+    return out
 
-    return token_select_prompt(tokenizer.encode, text, step.choices, step.token_ids)
+
+@dataclass
+class SelectPlan:
+    """How a select step is scored: by the request itself (`by_ids`: single_tokens' prompt, logprob start and
+    choice ids), or by one child request per choice (`prompts`; with select fusion, `fused`: each child's prompt
+    reaching into the next gen's)."""
+    by_ids: tuple[list[int], int, list[int]] | None = None
+    prompts: list[list[int]] | None = None
+    fused: list[list[int]] | None = None
+
+
+def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], limit: int) -> SelectPlan | None:
+    """How to score the select at `at` after `text` (encoded: `ids`); None: a choice's prompt reaches `limit`.
+    Fusion goes first where it applies (it saves the forward that would compute the next gen's prompt), then
+    scoring by ids (one request, one forward over the text's end), else the children."""
+    step = chain.steps[at]
+    prompts = [tokenizer.encode(text + c) for c in step.choices]
+    fused = fused_prompts(tokenizer, chain, at, text, prompts, limit)
+    by_ids = single_tokens(ids, prompts, step) if fused is None else None
+    if by_ids is not None:
+        return SelectPlan(by_ids=by_ids)
+    if max(map(len, prompts)) >= limit:
+        return None
+    return SelectPlan(prompts=prompts, fused=fused)
 
 
 def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
@@ -153,16 +210,16 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
     return Chain(out, out[0].text)
 
 
-def start(r: Req, tokenizer, chain: Chain) -> None:
+def start(r: Req, tokenizer, chain: Chain, limit: int) -> None:
     """Point a new request at its chain's first step (its input ids are the encoded prompt). A first step that
-    is a select of multi-token choices (`at` -1) queues its choices' children as the scheduler adds r (r holds no
-    KV: the children compute the prompt, sharing it in their batch)."""
+    is a select scored by children (`at` -1: multi-token choices, or fusion) queues them as the scheduler adds r
+    (r holds no KV: the children compute the prompt, sharing it in their batch)."""
     r.chain = chain
     step = chain.steps[0]
-    by_ids = single_tokens(tokenizer, chain.text, step) if step.choices is not None else None
-    if by_ids is not None:
-        r.input_ids, start = by_ids
-        r.params = select_params(start, step)
+    plan = plan_select(tokenizer, chain, 0, chain.text, r.input_ids, limit) if step.choices is not None else None
+    if plan is not None and plan.by_ids is not None:
+        r.input_ids, start, tokens = plan.by_ids
+        r.params = select_params(start, tokens)
     elif step.choices is not None:  # the children of step 0, queued by Scheduler.add (advance from `at` -1)
         r.params = SamplingParams(max_new_tokens=0)
         chain.at, chain.text = -1, ""
@@ -222,15 +279,18 @@ class Continuation:
         if len(ids) >= limit:
             chain.stopped_at = nxt_at
             return False
-        by_ids = single_tokens(s.tokenizer, new_text, step) if step.choices is not None else None
-        if step.choices is not None and by_ids is None:
-            return self._score_by_children(r, new_text, ids, step, nxt_at, limit)
+        plan = plan_select(s.tokenizer, chain, nxt_at, new_text, ids, limit) if step.choices is not None else None
+        if step.choices is not None and (plan is None or plan.by_ids is None):
+            if plan is None:  # a choice's prompt is past the context
+                chain.stopped_at = nxt_at
+                return False
+            return self._score_by_children(r, new_text, ids, step, nxt_at, plan)
         chain.text, chain.at = new_text, nxt_at
         r.program = step.program if step.program is not None else r.program
         params = step.gen
-        if by_ids is not None:
-            ids, start = by_ids  # the text less its last token where the choices merge with it
-            params = select_params(start, step)
+        if plan is not None:
+            ids, start, tokens = plan.by_ids  # the text less its last token where the choices merge with it
+            params = select_params(start, tokens)
         first, chain.first = chain.first, None
         if first is not None and first[0] != ids:
             first = None  # (cannot happen: the winner's prompt is this text's encoding)
@@ -271,13 +331,11 @@ class Continuation:
             s.waiting.insert(0, r)
         return True
 
-    def _score_by_children(self, r: Req, text: str, ids: list[int], step: ChainStep, at: int, limit: int) -> bool:
+    def _score_by_children(self, r: Req, text: str, ids: list[int], step: ChainStep, at: int,
+                           plan: SelectPlan) -> bool:
         """Queue one child request per choice of the select `step` (module docstring) and park r."""
         s, chain = self.s, r.chain
-        prompts = [s.tokenizer.encode(text + c) for c in step.choices]
-        if max(map(len, prompts)) >= limit:
-            chain.stopped_at = at
-            return False
+        prompts, fused = plan.prompts, plan.fused
         chain.text, chain.at = text, at
         r.program = step.program if step.program is not None else r.program
         if r in s.running:
@@ -289,7 +347,6 @@ class Continuation:
         chain.choice_logprobs = [None] * len(prompts)
         start = max(len(ids) - 2, 0)
         params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=start)
-        fused = self._fused(chain, at, text, prompts, limit)
         chain.fused = None
         if fused is not None:  # each child goes on into the next call's prompt and samples its first token
             prompts, chain.fused = fused, ([len(p) - start for p in prompts], [None] * len(prompts))
@@ -302,28 +359,6 @@ class Continuation:
         s.parked.append(r)
         s.stats["continuations"] += 1
         return True
-
-    def _fused(self, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
-        """Select fusion: where the select at `at` is followed by a plain greedy gen, each choice's child may
-        prefill on into that gen's prompt (text + choice + the gen's text) and sample its first token; the
-        winner's prompt is the gen's prompt, so the gen starts from its KV with its first token known, one
-        forward sooner. Only where each choice's own tokens are a prefix of its fused prompt (the choice scores
-        from the same positions) and sampling is greedy with nothing that reads the outputs: the child's token
-        is the one the gen's first forward would pick. Returns the fused prompts, or None."""
-        nxt = chain.steps[at + 1] if at + 1 < len(chain.steps) else None
-        g = nxt.gen if nxt is not None else None
-        if (g is None or nxt.grammar is not None or not g.greedy or g.max_new_tokens < 1 or g.min_new_tokens
-                or g.return_logprob or g.top_logprobs_num or g.token_ids_logprob is not None
-                or g.logit_bias or g.frequency_penalty or g.presence_penalty or g.repetition_penalty != 1.0):
-            return None
-        choices = chain.steps[at].choices
-        out = [self.s.tokenizer.encode(text + c + nxt.text) for c in choices]
-        if any(f[:len(p)] != p or len(f) >= limit for f, p in zip(out, prompts)):
-            return None
-        extra = sum(len(f) - len(p) for f, p in zip(out, prompts)) - min(len(f) - len(p) for f, p in zip(out, prompts))
-        if extra > FUSE_MAX_EXTRA_TOKENS:
-            return None  # the losing choices would compute more of the gen's text than the forward saved costs
-        return out
 
     def child_done(self, child: Req) -> None:
         """A choice's child finished: keep its logprobs; the last one decides, and the parent goes on."""

@@ -122,6 +122,9 @@ class Engine:
         self.check_invariants = check_invariants
         self.enable_continuation = enable_continuation
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Per event loop: inbox items submitted by its coroutines during the loop's current iteration, put in the
+        # inbox as one at the iteration's end (`_hold`).
+        self._held: dict[asyncio.AbstractEventLoop, list] = {}
         self._flushes: list[Future] = []
         self._futures: dict[Req, Future] = {}
         self.busy_seconds = 0.0
@@ -184,12 +187,13 @@ class Engine:
         self._enqueue(req, fut)
         return fut
 
-    def submit_chain(self, steps: Sequence[ChainStep], program=None, on_segment=None) -> RequestFuture:
+    def submit_chain(self, steps: Sequence[ChainStep], program=None, on_segment=None, *,
+                     loop: asyncio.AbstractEventLoop | None = None) -> RequestFuture:
         """Run a chain of calls (gens and selects, each after its constant text) as one request that keeps its KV
         from one call to the next (runtime/continuation.py). `program`: the hints of steps that carry none. `on_segment(segment)`: called, on the
         scheduler thread, with each step's result as it finishes. The future's result is the last call's, with
         every step's `segments` and `stopped_at` (the first step not run, or None). A malformed chain fails the
-        future with RequestError naming the step."""
+        future with RequestError naming the step. `loop`: the running event loop of an async caller (`_hold`)."""
         fut = RequestFuture()
         try:
             self._check_open()
@@ -200,7 +204,7 @@ class Engine:
             first = chain.steps[0]
             req = self.make_request(first.text, first.gen or {"max_new_tokens": 1},
                                     program=first.program if first.program is not None else program)
-            continuation.start(req, self.tokenizer, chain)
+            continuation.start(req, self.tokenizer, chain, min(self.context_length, self.max_total_tokens))
         except RequestError as e:
             fut.set_exception(e)
             return fut
@@ -209,7 +213,7 @@ class Engine:
             fut.set_result({"text": "", "output_ids": [], "meta_info": {}, "segments": [], "stopped_at": 0})
             return fut
         req.on_progress = _Segments(on_segment) if on_segment is not None else None
-        self._enqueue(req, fut)
+        self._enqueue_batch([(req, fut)], loop)
         return fut
 
     async def async_chain(self, steps: Sequence[ChainStep], program=None):
@@ -217,7 +221,7 @@ class Engine:
         (its `segments` and `stopped_at`). Cancelled or closed early, the request is aborted."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        fut = self.submit_chain(steps, program, lambda seg: loop.call_soon_threadsafe(q.put_nowait, seg))
+        fut = self.submit_chain(steps, program, lambda seg: loop.call_soon_threadsafe(q.put_nowait, seg), loop=loop)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, None))
         try:
             while (seg := await q.get()) is not None:
@@ -230,14 +234,44 @@ class Engine:
     def _enqueue(self, req: Req, fut: RequestFuture) -> None:
         self._enqueue_batch([(req, fut)])
 
-    def _enqueue_batch(self, batch: list[tuple[Req, RequestFuture]]) -> None:
-        """Queue requests as one inbox item: requests submitted together are admitted together (one prefill)."""
+    def _enqueue_batch(self, batch: list[tuple[Req, RequestFuture]], loop=None) -> None:
+        """Queue requests as one inbox item: requests submitted together are admitted together (one prefill).
+        `loop`: submitted by a coroutine on this running loop: held until the loop's iteration ends (`_hold`)."""
         with self._lock:
             self._check_open()
             for req, fut in batch:
                 fut.rid = str(req.rid)
                 fut.set_running_or_notify_cancel()  # from now on cancel() is refused: it could not be resolved
-            self._inbox.put(("reqs", batch))
+            if loop is None:
+                self._inbox.put(("reqs", batch))
+            else:
+                self._hold(loop, ("reqs", batch))
+
+    def _hold(self, loop: asyncio.AbstractEventLoop, item: tuple) -> None:
+        """Put `item` in the inbox at the end of `loop`'s current iteration, with everything else its coroutines
+        submit meanwhile, as ONE item (their requests in one list, an abort after them in order): the tasks an
+        asyncio.gather or a plan's fork starts together (a fork's prefix and its branches' chains) run in one
+        iteration, so the scheduler admits them together instead of starting a forward with the first alone.
+        Call with `_lock` held."""
+        held = self._held.get(loop)
+        if held is None:
+            held = self._held[loop] = []
+            loop.call_soon(self._release, loop)
+        if item[0] == "reqs" and held and held[-1][0] == "reqs":
+            held[-1] = ("reqs", held[-1][1] + item[1])
+        else:
+            held.append(item)
+
+    def _release(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            items = self._held.pop(loop, [])
+            if self._closed:  # shut down meanwhile: nothing will run them
+                for kind, payload in items:
+                    for _, fut in payload if kind == "reqs" else ():
+                        fut.set_exception(RuntimeError("the engine was shut down"))
+                return
+            for item in items:
+                self._inbox.put(item)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -247,11 +281,17 @@ class Engine:
         """Stop request `rid` (a future's `rid`, or its result's meta_info["id"]) wherever it is: queued, decoding
         or prefilling in chunks. It finishes at once with finish reason {"type": "abort", ...} and the output so
         far; its KV slots are released (the computed prefix stays in the prefix cache). Returns without waiting;
-        an id that is unknown or already finished is ignored."""
+        an id that is unknown or already finished is ignored. From a coroutine whose loop still holds submissions
+        (`_hold`), the abort goes after them."""
+        with self._lock:
+            loop = _running_loop()
+            if loop is not None and loop in self._held:
+                self._hold(loop, ("abort", rid))
+                return
         self._inbox.put(("abort", rid))
 
     def _submit_all(self, prompt, sampling_params, input_ids, logprob_opts,
-                    program=None) -> tuple[list[Future], bool]:
+                    program=None, loop=None) -> tuple[list[Future], bool]:
         if input_ids is not None and (isinstance(input_ids, (str, bytes, Mapping))
                                       or not hasattr(input_ids, "__len__")):
             raise RequestError("input_ids must be a list of token ids, or a list of such lists")
@@ -273,7 +313,7 @@ class Engine:
             except RequestError as e:
                 fut.set_exception(e)
             futs.append(fut)
-        self._enqueue_batch(batch)
+        self._enqueue_batch(batch, loop)
         return futs, single
 
     @staticmethod
@@ -308,7 +348,8 @@ class Engine:
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None, program=None):
         opts = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, token_ids_logprob=token_ids_logprob)
-        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts, program)
+        futs, single = self._submit_all(prompt, sampling_params, input_ids, opts, program,
+                                        asyncio.get_running_loop())
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
         except asyncio.CancelledError:  # the caller gave up: stop decoding for nobody
@@ -560,6 +601,13 @@ def _make_runner(src, weights, device: torch.device, tensor_parallel_size: int, 
     from .distributed import start_runner
 
     return start_runner(src, tensor_parallel_size, device=device, **kwargs)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _program_hints(program):
