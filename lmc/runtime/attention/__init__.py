@@ -32,6 +32,9 @@ class ForwardBatch:
     kv_cache: Any
     req_to_token: torch.Tensor
     attn: Any
+    # Decode: positions [0, shared_prefix) hold the same slots in every request's row (a radix-cache prefix the
+    # whole batch shares; each request has keys of its own past it). 0: nothing known. A backend may read it once.
+    shared_prefix: int = 0
     meta: Any = None  # backend-private, set by attn.prepare()
     cos: Any = None  # [T, D] RoPE tables gathered by the model at the start of its forward
     sin: Any = None
@@ -60,6 +63,11 @@ class AttentionBackend(ABC):
         """Before capturing a decode graph over `batch`, whose tensors are the graph's static buffers (lengths
         padded, `max_seq_len` the context length). Default: prepare()."""
         self.prepare(batch)
+
+    def reads_shared_prefix(self, batch_size: int, shared_prefix: int, kv_cache) -> bool:
+        """Whether a decode of `batch_size` requests sharing `shared_prefix` positions of `kv_cache` reads that
+        prefix once for the batch (it then runs outside the decode CUDA graphs, captured without). Default: never."""
+        return False
 
     def prepare_replay(self, batch: ForwardBatch, num_real: int) -> None:
         """Before each replay, once the static buffers hold the new step (the first `num_real` rows are real, the

@@ -91,6 +91,21 @@ class CacheManager:
             r.kv_len += 1
         return positions, slots
 
+    def shared_prefix(self, reqs: list[Req]) -> int:
+        """How many leading positions every request of a batch holds in the same slots (a radix-cache prefix they
+        all matched): the decode attention can read those once for the batch. Only tree-owned positions, below
+        every request's cache_protected_len, can agree; a first column that differs (unrelated prompts) ends the
+        check at one gather of B entries."""
+        n = min((r.cache_protected_len for r in reqs), default=0)
+        if len(reqs) < 2 or n == 0:
+            return 0
+        rows = torch.tensor([r.row for r in reqs])
+        first = self.table[rows, 0]
+        if not bool((first == first[0]).all()):
+            return 0
+        same = (self.table[rows, :n] == self.table[rows[0], :n]).all(0)
+        return n if bool(same.all()) else int(same.int().argmin())
+
     def _alloc(self, n: int) -> torch.Tensor:
         slots = self.slots.alloc(n)
         if slots is None:
