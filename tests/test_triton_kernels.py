@@ -180,7 +180,8 @@ def share_prefix(req_to_token, rows, prefix_len):
 
 
 def run_shared_prefix_decode(seq_lens, prefix_len, num_heads, num_kv_heads, head_dim, dtype=torch.float32,
-                             max_seq_len=None):
+                             max_seq_len=None, on_device=False):
+    """on_device: the prefix length as an int32 device tensor, as CUDA graphs pass it (launch sized for any)."""
     dev = kernel_device(tk._decode_prefix_kernel)
     k_buf, v_buf, req_to_token, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype)
     first, own = share_prefix(req_to_token, rows, prefix_len)
@@ -191,8 +192,9 @@ def run_shared_prefix_decode(seq_lens, prefix_len, num_heads, num_kv_heads, head
     k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in (k_buf, v_buf, req_to_token, rows))
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
     sm_scale = 1 / math.sqrt(head_dim)
+    shared = torch.tensor([prefix_len], dtype=torch.int32, device=dev) if on_device else prefix_len
     out = tk.decode_attention(q, k_buf, v_buf, req_to_token, rows, torch.tensor(seq_lens, device=dev), sm_scale,
-                              max_seq_len, shared_prefix=prefix_len)
+                              max_seq_len, shared_prefix=shared)
     ref = reference(q, k_buf, v_buf, req_to_token, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), sm_scale)
     assert out.shape == q.shape
     assert_close(out, ref, dtype)
@@ -217,6 +219,13 @@ def test_decode_attention_shared_prefix_with_splits():
     # Few requests and a wide length bound: their own keys split several ways (some splits empty) besides the
     # prefix's splits, all merged by stage 2.
     run_shared_prefix_decode([400, 260], 250, num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=600)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 140])
+def test_decode_attention_shared_prefix_read_on_the_device(prefix_len):
+    # A CUDA graph's launch: sized for any prefix below the bound, the length read from a device int (0: no prefix).
+    run_shared_prefix_decode([150, 141, 170, 300], prefix_len, num_heads=4, num_kv_heads=2, head_dim=64,
+                             max_seq_len=320, on_device=True)
 
 
 def test_decode_attention_shared_prefix_fp16():

@@ -358,9 +358,8 @@ class ModelRunner:
                 ids = ids.clone()
                 ids[fb_pos] = self.token_buf[fb_rows]
         self.table[tok_rows, positions] = slots.to(torch.int32)
-        if (is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs
-                and not self.attn.reads_shared_prefix(len(rows), shared, self.kv)):
-            return self.graphs.replay(ids, positions, slots, rows, seq), sample_rows
+        if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
+            return self.graphs.replay(ids, positions, slots, rows, seq, shared), sample_rows
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,
             max_extend_len=max_ext, max_seq_len=max_seq, positions=positions, out_slots=slots,

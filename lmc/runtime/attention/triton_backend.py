@@ -8,12 +8,11 @@ from . import AttentionBackend, ForwardBatch
 from .triton_kernels import decode_attention, extend_attention
 
 
-# The cascade (decode_attention's shared_prefix) runs without the decode CUDA graphs, so it is taken only where the
-# K/V re-reads it saves, (batch - 1) x prefix tokens of every layer, come to at least this many bytes: 4 GB is
-# ~1 ms of the H200's copy bandwidth, about what a 32-layer step's launches cost the host without a graph (and
-# overlap scheduling hides those behind the previous step). gpu_bench's few-shot decode (127 x 1,200 tokens of
-# llama-2-7b's 0.5 MB per token) saves 80 GB a step; a 4-way fork of a 1,000-token prompt (1.5 GB) stays in
-# the graphs.
+# The cascade (decode_attention's shared_prefix) is taken where the K/V re-reads it saves, (batch - 1) x prefix
+# tokens of every layer, come to at least this many bytes: 4 GB, ~1 ms of the H200's copy bandwidth, against its
+# costs (a prefix kernel and the merge in every layer; a second CUDA graph of the bucket, captured on first use).
+# gpu_bench's few-shot decode (127 x 1,200 tokens of llama-2-7b's 0.5 MB per token) saves 80 GB a step; a 4-way
+# fork of a 1,000-token prompt (1.5 GB) does without.
 SHARED_PREFIX_MIN_BYTES = 4 << 30
 
 
@@ -28,8 +27,12 @@ class TritonAttention(AttentionBackend):
         return shared_prefix > 0 and (batch_size - 1) * shared_prefix * kv_bytes_per_token >= SHARED_PREFIX_MIN_BYTES
 
     def prepare(self, batch: ForwardBatch) -> None:
-        cascade = batch.is_decode and self.reads_shared_prefix(len(batch.rows), batch.shared_prefix, batch.kv_cache)
-        batch.meta = (batch.kv_cache.k[0].shape[-1] ** -0.5, batch.shared_prefix if cascade else 0)
+        prefix = batch.shared_prefix
+        # A device tensor: a cascade graph's (cuda_graph.py), which took the decision and holds the length.
+        if not isinstance(prefix, torch.Tensor) and not (
+                batch.is_decode and self.reads_shared_prefix(len(batch.rows), prefix, batch.kv_cache)):
+            prefix = 0
+        batch.meta = (batch.kv_cache.k[0].shape[-1] ** -0.5, prefix)
 
     def forward(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         k, v, (scale, shared_prefix) = batch.kv_cache.k[layer], batch.kv_cache.v[layer], batch.meta

@@ -166,6 +166,14 @@ def _extend_kernel(
 
 
 @triton.jit
+def _kv_start(kv_start, FROM_PTR: tl.constexpr):
+    """The shared prefix's length: a scalar argument, or (FROM_PTR, inside CUDA graphs) read from a device int."""
+    if FROM_PTR:
+        return tl.load(kv_start)
+    return kv_start
+
+
+@triton.jit
 def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys per decode split: a whole number of key blocks, so that only a
     split's last block can be partial. Trailing splits may be empty."""
@@ -179,7 +187,8 @@ def _decode_stage1_kernel(
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
     [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges)."""
@@ -187,6 +196,7 @@ def _decode_stage1_kernel(
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
+    kv_start = _kv_start(kv_start, PREFIX_PTR)
     split_len = _split_len(seq_len - kv_start, NUM_SPLITS, BLOCK_N)
     start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -244,7 +254,8 @@ def _decode_prefix_kernel(
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """The keys [0, prefix_len) that every request of the batch shares slot for slot: program (t, kv_h, split)
     takes BLOCK_Q of the batch's B x GROUP query rows of KV head kv_h (row r: request r // GROUP, head
@@ -254,6 +265,7 @@ def _decode_prefix_kernel(
     t = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
+    prefix_len = _kv_start(prefix_len, PREFIX_PTR)  # 0 (a graph's padding replay): every program returns
     split_len = _split_len(prefix_len, PREFIX_SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
@@ -295,13 +307,14 @@ def _decode_prefix_kernel(
 def _decode_stage2_kernel(
     PartAcc, PartLse, O, SeqLens, kv_start,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_PTR: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merges request b's NUM_SPLITS stage-1 splits of keys [kv_start, seq_len) and the PREFIX_SPLITS splits of
     the shared prefix [0, kv_start) that follow them (none without a shared prefix)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    kv_start = _kv_start(kv_start, PREFIX_PTR)
     seq_len = tl.load(SeqLens + b) - kv_start
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
@@ -415,9 +428,12 @@ def decode_attention(
             number of KV splits; None means req_to_token.shape[1], which keeps
             the launch shape independent of the batch's lengths (CUDA graphs).
         config: (BLOCK_N, num_warps, num_stages) of stage 1; None: _decode_config.
-        shared_prefix: P, a Python int: positions [0, P) hold the same slots
-            in every row of `rows` (a prefix the batch shares in the radix
-            cache), and P < seq_lens[b] for every b. 0: nothing assumed.
+        shared_prefix: P: positions [0, P) hold the same slots in every row
+            of `rows` (a prefix the batch shares in the radix cache), and
+            P < seq_lens[b] for every b. 0: nothing assumed. A Python int, or
+            an int32 [1] device tensor (CUDA graphs: the launch is sized for
+            any P below max_seq_len, the length read on the device; 0 there
+            turns the prefix kernel's programs into no-ops).
     Invariants:
         1 <= seq_lens[b] <= max_context, and the query's own K/V is already
         written at slot req_to_token[rows[b], seq_lens[b] - 1].
@@ -443,18 +459,20 @@ def decode_attention(
     block_n, num_warps, num_stages = config or _decode_config(batch * num_kv_heads, row_bytes)
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
-    if shared_prefix < 0 or shared_prefix >= max_seq_len:
+    on_device = isinstance(shared_prefix, torch.Tensor)
+    if not on_device and not 0 <= shared_prefix < max_seq_len:
         raise ValueError(f"shared_prefix must be in [0, max_seq_len = {max_seq_len}), got {shared_prefix}")
+    longest_prefix = max_seq_len - 1 if on_device else shared_prefix  # what the launch must cover
     num_splits = max(1, min(
         triton.cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads)),
-        triton.cdiv(max_seq_len - shared_prefix, block_n),
+        triton.cdiv(max_seq_len - (0 if on_device else shared_prefix), block_n),
         _DECODE_MAX_SPLITS,
     ))
-    if shared_prefix:
+    if longest_prefix:
         q_rows = batch * group
         block_q, prefix_block_n, prefix_warps, prefix_stages = _extend_config(row_bytes, q_rows)
         q_tiles = triton.cdiv(q_rows, block_q)
-        prefix_splits = _prefix_splits(q_tiles, num_kv_heads, shared_prefix, prefix_block_n)
+        prefix_splits = _prefix_splits(q_tiles, num_kv_heads, longest_prefix, prefix_block_n)
     else:
         prefix_splits, prefix_block_n = 0, block_n
     parts = num_splits + prefix_splits
@@ -466,7 +484,7 @@ def decode_attention(
     else:  # stage 1 writes o itself (batched decode: enough programs without splitting)
         part_acc, part_lse = o.unsqueeze(2), o[:, :, 0]  # unused: stand-ins with the right number of strides
 
-    if shared_prefix:
+    if prefix_splits:
         _decode_prefix_kernel[(q_tiles, num_kv_heads, prefix_splits)](
             q, k_buf, v_buf, req_to_token, rows, part_acc, part_lse,
             sm_scale * _LOG2E, shared_prefix, q_rows,
@@ -474,7 +492,7 @@ def decode_attention(
             req_to_token.stride(0),
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
-            BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+            PREFIX_PTR=on_device, BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
             num_warps=prefix_warps, num_stages=prefix_stages,
         )
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
@@ -484,7 +502,7 @@ def decode_attention(
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages,
@@ -495,7 +513,7 @@ def decode_attention(
         part_acc, part_lse, o, seq_lens, shared_prefix,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, PREFIX_PTR=on_device,
         BLOCK_S=triton.next_power_of_2(parts), BLOCK_N=block_n, PREFIX_BLOCK_N=prefix_block_n, BLOCK_D=block_d,
         num_warps=4,
     )
