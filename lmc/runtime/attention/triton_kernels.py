@@ -166,14 +166,6 @@ def _extend_kernel(
 
 
 @triton.jit
-def _kv_start(kv_start, FROM_PTR: tl.constexpr):
-    """The shared prefix's length: a scalar argument, or (FROM_PTR, inside CUDA graphs) read from a device int."""
-    if FROM_PTR:
-        return tl.load(kv_start)
-    return kv_start
-
-
-@triton.jit
 def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys per decode split: a whole number of key blocks, so that only a
     split's last block can be partial. Trailing splits may be empty."""
@@ -183,7 +175,7 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
-    qk_scale, kv_start,
+    qk_scale, kv_start, KvStartPtr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
@@ -191,12 +183,14 @@ def _decode_stage1_kernel(
     IEEE: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
-    [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges)."""
+    [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
+    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    kv_start = _kv_start(kv_start, PREFIX_PTR)
+    if PREFIX_PTR:
+        kv_start = tl.load(KvStartPtr)
     split_len = _split_len(seq_len - kv_start, NUM_SPLITS, BLOCK_N)
     start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -250,7 +244,7 @@ def _decode_stage1_kernel(
 @triton.jit
 def _decode_prefix_kernel(
     Q, K, V, ReqToToken, Rows, PartAcc, PartLse,
-    qk_scale, prefix_len, num_q_rows,
+    qk_scale, prefix_len, PrefixLenPtr, num_q_rows,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
@@ -265,7 +259,8 @@ def _decode_prefix_kernel(
     t = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    prefix_len = _kv_start(prefix_len, PREFIX_PTR)  # 0 (a graph's padding replay): every program returns
+    if PREFIX_PTR:  # 0 there (a graph's capture): every program returns
+        prefix_len = tl.load(PrefixLenPtr)
     split_len = _split_len(prefix_len, PREFIX_SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
@@ -305,7 +300,7 @@ def _decode_prefix_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    PartAcc, PartLse, O, SeqLens, kv_start,
+    PartAcc, PartLse, O, SeqLens, kv_start, KvStartPtr,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_PTR: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -314,7 +309,8 @@ def _decode_stage2_kernel(
     the shared prefix [0, kv_start) that follow them (none without a shared prefix)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_start = _kv_start(kv_start, PREFIX_PTR)
+    if PREFIX_PTR:
+        kv_start = tl.load(KvStartPtr)
     seq_len = tl.load(SeqLens + b) - kv_start
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
@@ -463,6 +459,8 @@ def decode_attention(
     if not on_device and not 0 <= shared_prefix < max_seq_len:
         raise ValueError(f"shared_prefix must be in [0, max_seq_len = {max_seq_len}), got {shared_prefix}")
     longest_prefix = max_seq_len - 1 if on_device else shared_prefix  # what the launch must cover
+    # The kernels take the length as an int and, read instead where PREFIX_PTR, a pointer (seq_lens: unread).
+    prefix_arg, prefix_ptr = (0, shared_prefix) if on_device else (shared_prefix, seq_lens)
     num_splits = max(1, min(
         triton.cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads)),
         triton.cdiv(max_seq_len - (0 if on_device else shared_prefix), block_n),
@@ -487,7 +485,7 @@ def decode_attention(
     if prefix_splits:
         _decode_prefix_kernel[(q_tiles, num_kv_heads, prefix_splits)](
             q, k_buf, v_buf, req_to_token, rows, part_acc, part_lse,
-            sm_scale * _LOG2E, shared_prefix, q_rows,
+            sm_scale * _LOG2E, prefix_arg, prefix_ptr, q_rows,
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
             req_to_token.stride(0),
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -497,7 +495,7 @@ def decode_attention(
         )
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
-        sm_scale * _LOG2E, shared_prefix,
+        sm_scale * _LOG2E, prefix_arg, prefix_ptr,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -510,7 +508,7 @@ def decode_attention(
     if parts == 1:
         return o
     _decode_stage2_kernel[(batch, num_heads)](
-        part_acc, part_lse, o, seq_lens, shared_prefix,
+        part_acc, part_lse, o, seq_lens, prefix_arg, prefix_ptr,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, PREFIX_PTR=on_device,
