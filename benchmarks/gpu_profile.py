@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -174,6 +175,7 @@ def profile_few_shot(eng, cfg, dev, programs=128, prefix_len=1200, unique=60, ne
 
     run()
     out = {"programs": programs, "programs_s": sorted(programs / run() for _ in range(3))}
+    out["cascade"] = cascade_ab(eng, progs, new, dev)
     eng.flush_cache()
     before = dict(eng.stats())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -194,6 +196,42 @@ def profile_few_shot(eng, cfg, dev, programs=128, prefix_len=1200, unique=60, ne
         out["gpu_busy_share"] = busy_share([(a, b) for a, b, _ in kern], t0, t1)
         out["top_kernels"] = [{"name": n[:100], "ms": t / 1e3} for n, t in per.most_common(12)]
     return out
+
+
+@contextmanager
+def cascade_off():
+    """Decode without the shared-prefix cascade (triton_backend's bound out of reach): every request reads the
+    shared prefix itself, as before the cascade."""
+    from lmc.runtime.attention import triton_backend
+
+    saved = triton_backend.SHARED_PREFIX_MIN_BYTES
+    triton_backend.SHARED_PREFIX_MIN_BYTES = 1 << 62
+    try:
+        yield
+    finally:
+        triton_backend.SHARED_PREFIX_MIN_BYTES = saved
+
+
+@torch.inference_mode()
+def cascade_ab(eng, progs, new, dev, rounds=3) -> dict:
+    """The few-shot workload with the cascade on and off, alternately (`rounds` each, after one warm-up of each):
+    programs/s, and whether greedy tokens agree (bf16: the merge's summation order differs, so a near-tie may
+    flip a token; the count says how many programs differ)."""
+    def run(off: bool):
+        eng.flush_cache()
+        res = []
+        with cascade_off() if off else nullcontext():
+            t = time_call(lambda: res.extend(gen(eng, progs, new)), dev)
+        return t, [r["output_ids"] for r in res]
+
+    run(False), run(True)
+    on, off = [], []
+    for _ in range(rounds):
+        on.append(run(False))
+        off.append(run(True))
+    n = len(progs)
+    return {"programs_s_on": sorted(n / t for t, _ in on), "programs_s_off": sorted(n / t for t, _ in off),
+            "programs_with_other_tokens": sum(a != b for a, b in zip(on[-1][1], off[-1][1]))}
 
 
 def apply_sweep(path: str) -> None:
@@ -249,6 +287,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
         fs = res["few_shot"]
+        print(f"few-shot cascade A/B: {fs['cascade']}")
         print(f"few-shot: {fs['programs_s']} programs/s, forwards {fs['forwards']}, GPU kernels "
               f"{fs.get('gpu_kernel_ms', 0):.1f} ms of {fs.get('profiled_ms', 0):.1f}, "
               f"busy {fs.get('gpu_busy_share', 1):.0%}")

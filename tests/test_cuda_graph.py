@@ -55,3 +55,24 @@ def test_overlap_on_and_off_give_the_same_greedy_tokens(gpu_engines):
     finally:
         graphs.scheduler.overlap = True
     assert on == off
+
+
+def test_shared_prefix_decode_replays_a_cascade_graph(gpu_engines, monkeypatch):
+    """Requests on one cached prefix replay their bucket's cascade graph (captured on first use; the prefix read
+    once for the batch) and give the eager engine's tokens and logprobs, which reads the prefix per request."""
+    from lmc.runtime.attention import triton_backend
+
+    graphs, eager = gpu_engines
+    monkeypatch.setattr(triton_backend, "SHARED_PREFIX_MIN_BYTES", 1)  # the tiny model's KV is too small
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, graphs.runner.cfg.vocab_size, (150,), generator=g).tolist()
+    ps = [shared + q for q in prompts(6, graphs.runner.cfg.vocab_size, seed=12)]
+    graphs.flush_cache()
+    got_ids, got_lp = outputs(graphs, ps)
+    assert graphs.runner.graphs.cascade, "no cascade graph was replayed"
+    with monkeypatch.context() as m:
+        m.setattr(triton_backend, "SHARED_PREFIX_MIN_BYTES", 1 << 62)  # the plain path, for the comparison
+        want_ids, want_lp = outputs(eager, ps)
+    assert got_ids == want_ids
+    for a, b in zip(got_lp, want_lp):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4

@@ -169,3 +169,92 @@ def check_real_shapes(num_heads, num_kv_heads, prefix_lens, extend_lens):
     out = tk.decode_attention(qd, k_buf, v_buf, req_to_token, rows, torch.tensor(seq_lens, device=dev), scale)
     ref = reference(qd, k_buf, v_buf, req_to_token, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def share_prefix(req_to_token, rows, prefix_len):
+    """Point positions [0, prefix_len) of every request's row at the first request's slots: the batch shares that
+    prefix slot for slot, as requests matched to one radix-cache path do. The other requests' own prefix slots are
+    poisoned, so a read through a row other than the first's shows."""
+    first = req_to_token[rows[0], :prefix_len].clone()
+    return first, [req_to_token[r, :prefix_len].clone() for r in rows[1:].tolist()]
+
+
+def run_shared_prefix_decode(seq_lens, prefix_len, num_heads, num_kv_heads, head_dim, dtype=torch.float32,
+                             max_seq_len=None, on_device=False):
+    """on_device: the prefix length as an int32 device tensor, as CUDA graphs pass it (launch sized for any)."""
+    dev = kernel_device(tk._decode_prefix_kernel)
+    k_buf, v_buf, req_to_token, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype)
+    first, own = share_prefix(req_to_token, rows, prefix_len)
+    for r, slots in zip(rows[1:].tolist(), own):
+        k_buf[slots.long()] = float("nan")
+        v_buf[slots.long()] = float("nan")
+        req_to_token[r, :prefix_len] = first
+    k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in (k_buf, v_buf, req_to_token, rows))
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+    sm_scale = 1 / math.sqrt(head_dim)
+    shared = torch.tensor([prefix_len], dtype=torch.int32, device=dev) if on_device else prefix_len
+    out = tk.decode_attention(q, k_buf, v_buf, req_to_token, rows, torch.tensor(seq_lens, device=dev), sm_scale,
+                              max_seq_len, shared_prefix=shared)
+    ref = reference(q, k_buf, v_buf, req_to_token, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), sm_scale)
+    assert out.shape == q.shape
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,seq_lens,prefix_len", [
+    (4, 2, 64, [150, 141, 170, 300], 140),  # GQA: 8 query rows in one 64-row tile; prefix split over programs
+    (2, 2, 128, [65, 66], 64),  # MHA, fp32 D=128 (narrow tiles); each request's own keys a single one
+    (4, 1, 96, [40, 35, 90], 34),  # MQA, D not a power of two, a prefix not a whole key block
+])
+def test_decode_attention_shared_prefix(num_heads, num_kv_heads, head_dim, seq_lens, prefix_len):
+    run_shared_prefix_decode(seq_lens, prefix_len, num_heads, num_kv_heads, head_dim)
+
+
+def test_decode_attention_shared_prefix_many_requests():
+    # 40 requests x 4 heads of a group: 160 query rows, so 128-row prefix tiles, the second one partial.
+    lens = [97 + (7 * i) % 23 for i in range(40)]
+    run_shared_prefix_decode(lens, 96, num_heads=8, num_kv_heads=2, head_dim=64)
+
+
+def test_decode_attention_shared_prefix_with_splits():
+    # Few requests and a wide length bound: their own keys split several ways (some splits empty) besides the
+    # prefix's splits, all merged by stage 2.
+    run_shared_prefix_decode([400, 260], 250, num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=600)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 140])
+def test_decode_attention_shared_prefix_read_on_the_device(prefix_len):
+    # A CUDA graph's launch: sized for any prefix below the bound, the length read from a device int (0: no prefix).
+    run_shared_prefix_decode([150, 141, 170, 300], prefix_len, num_heads=4, num_kv_heads=2, head_dim=64,
+                             max_seq_len=320, on_device=True)
+
+
+def test_decode_attention_shared_prefix_fp16():
+    run_shared_prefix_decode([130, 200, 129], 128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+
+
+def test_decode_attention_rejects_a_shared_prefix_past_the_bound():
+    dev = kernel_device(tk._decode_prefix_kernel)
+    k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in make_pool([10], 2, 64))
+    q = torch.randn(1, 2, 64, device=dev)
+    with pytest.raises(ValueError, match="shared_prefix"):
+        tk.decode_attention(q, k_buf, v_buf, req_to_token, rows, torch.tensor([10], device=dev), 0.1, 10,
+                            shared_prefix=10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8)])  # llama-2-7b, llama-3-8b
+def test_shared_prefix_decode_real_shapes_on_gpu(num_heads, num_kv_heads):
+    # gpu_bench's few-shot decode: 128 requests on one 1,200-token prefix, each with 60-68 tokens of its own.
+    dev, dtype, head_dim, prefix = torch.device("cuda"), torch.bfloat16, 128, 1200
+    seq_lens = [prefix + 60 + i % 9 for i in range(128)]
+    k_buf, v_buf, req_to_token, rows = make_pool(seq_lens, num_kv_heads, head_dim, dtype)
+    first, _ = share_prefix(req_to_token, rows, prefix)
+    req_to_token[rows, :prefix] = first
+    k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in (k_buf, v_buf, req_to_token, rows))
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dev, dtype)
+    lens, scale = torch.tensor(seq_lens, device=dev), head_dim ** -0.5
+    cascade = tk.decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scale, shared_prefix=prefix)
+    plain = tk.decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scale)
+    ref = reference(q, k_buf, v_buf, req_to_token, rows, [n - 1 for n in seq_lens], [1] * len(seq_lens), scale)
+    torch.testing.assert_close(cascade.double(), ref, rtol=2e-2, atol=2e-2)
+    assert (cascade.double() - ref).norm() <= 1.5 * (plain.double() - ref).norm() + 1e-6  # no worse than bf16's own

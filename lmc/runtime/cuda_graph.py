@@ -8,6 +8,10 @@ length, so one graph serves every sequence length (the backend's prepare_capture
 metadata; its prepare_replay() hook runs before each replay). Replay takes device tensors (the step's metadata
 arrived in the runner's one host-to-device copy, its input ids were gathered from the token buffer on the
 device): filling the static buffers is device-to-device, no host sync.
+
+A batch whose requests share a long cached prefix (ForwardBatch.shared_prefix) replays a second graph of its
+bucket, captured on first use, whose attention reads that prefix once for the batch (the cascade of
+attention/triton_kernels.decode_attention), its length in a device int written before each replay.
 """
 from __future__ import annotations
 
@@ -31,25 +35,30 @@ class DecodeGraphs:
         self.rows = torch.full((max_bs,), DUMMY_ROW, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.arange = torch.arange(max_bs, device=dev)
+        self.shared_prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the cascade graphs' prefix length
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.cascade: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}  # by bucket, lazily
         self.pool = None
         for bs in reversed(buckets(max_bs)):  # largest first, so smaller graphs reuse its memory pool
-            self._capture(bs)
+            self.graphs[bs], self.batches[bs], self.logits[bs] = self._capture(bs, cascade=False)
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, cascade: bool) -> ForwardBatch:
         r = self.runner
         return ForwardBatch(
             is_decode=True, rows=self.rows[:bs], prefix_lens=self.seq_lens[:bs] - 1,
             extend_lens=torch.ones_like(self.seq_lens[:bs]), seq_lens=self.seq_lens[:bs],
             extend_start=self.arange[:bs], max_extend_len=1, max_seq_len=r.context_length,
             positions=self.positions[:bs], out_slots=self.slots[:bs], logits_index=self.arange[:bs],
-            kv_cache=r.kv, req_to_token=r.table, attn=r.attn)
+            kv_cache=r.kv, req_to_token=r.table, attn=r.attn, shared_prefix=self.shared_prefix if cascade else 0)
 
     @torch.inference_mode()
-    def _capture(self, bs: int) -> None:
-        batch = self.batches[bs] = self._batch(bs)
+    def _capture(self, bs: int, cascade: bool) -> tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]:
+        """Capture bucket `bs` over the static buffers, which hold the dummy step (padding values) meanwhile."""
+        self._pad(0, bs)
+        self.shared_prefix.zero_()
+        batch = self._batch(bs, cascade)
         self.runner.attn.prepare_capture(batch)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -58,27 +67,37 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            self.logits[bs] = self.runner.model(self.ids[:bs], batch)
+            logits = self.runner.model(self.ids[:bs], batch)
         self.pool = g.pool()
-        self.graphs[bs] = g
+        return g, batch, logits
+
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, sequence length 1, slot 0."""
+        self.ids[lo:hi], self.positions[lo:hi], self.slots[lo:hi] = 0, 0, 0
+        self.rows[lo:hi], self.seq_lens[lo:hi] = DUMMY_ROW, 1
 
     @torch.inference_mode()
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-               seq_lens: torch.Tensor) -> torch.Tensor:
-        """All arguments are [n] device tensors of one decode step. Returns its [n, V] logits: a view of the graph's
-        static buffer, valid until the next replay. Work queued on the stream before that replay (the step's
-        sampling) may read it in place; a reader after it (logprobs, read when the step is collected) needs the
-        copy that ModelRunner.launch takes for such steps."""
+               seq_lens: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+        """All tensor arguments are [n] device tensors of one decode step; `shared_prefix` as in ForwardBatch.
+        Returns its [n, V] logits: a view of the graph's static buffer, valid until the next replay. Work queued
+        on the stream before that replay (the step's sampling) may read it in place; a reader after it (logprobs,
+        read when the step is collected) needs the copy that ModelRunner.launch takes for such steps."""
         n = len(ids)
         bs = next(b for b in sorted(self.graphs) if b >= n)
+        if self.runner.attn.reads_shared_prefix(n, shared_prefix, self.runner.kv):
+            if bs not in self.cascade:  # before the buffers are filled: capture runs on the dummy step
+                self.cascade[bs] = self._capture(bs, cascade=True)
+            graph, batch, logits = self.cascade[bs]
+            self.shared_prefix.fill_(shared_prefix)
+        else:
+            graph, batch, logits = self.graphs[bs], self.batches[bs], self.logits[bs]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         self.rows[:n].copy_(rows)
         self.seq_lens[:n].copy_(seq_lens)
-        # Padding rows: reset to the dummy values (a previous larger batch may have left real rows there).
-        self.ids[n:bs], self.positions[n:bs], self.slots[n:bs] = 0, 0, 0
-        self.rows[n:bs], self.seq_lens[n:bs] = DUMMY_ROW, 1
-        self.runner.attn.prepare_replay(self.batches[bs], n)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        self._pad(n, bs)  # a previous larger batch may have left real rows there
+        self.runner.attn.prepare_replay(batch, n)
+        graph.replay()
+        return logits[:n]

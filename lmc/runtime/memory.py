@@ -49,15 +49,16 @@ class SlotAllocator:
         self.num_slots = num_slots
         self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
         self._released: list[torch.Tensor] = []
+        self._n_released = 0  # sum of len(t) over _released: admission asks `available` per waiting request
 
     @property
     def available(self) -> int:
-        return len(self._free) + sum(len(t) for t in self._released)
+        return len(self._free) + self._n_released
 
     def alloc(self, n: int) -> torch.Tensor | None:
         if n > len(self._free) and self._released:
             self._free = torch.cat([self._free, *self._released])
-            self._released = []
+            self._released, self._n_released = [], 0
         if n > len(self._free):
             return None
         out, self._free = self._free[:n], self._free[n:]
@@ -66,6 +67,7 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if len(slots):
             self._released.append(slots.to("cpu", torch.int64))
+            self._n_released += len(slots)
 
     def free_slots(self) -> torch.Tensor:
         return torch.cat([self._free, *self._released])

@@ -61,6 +61,7 @@ class ScheduledBatch:
     logprob_reqs: list[int] = field(default_factory=list)  # requests that asked for logprobs
     # Slot-table writes other than the new tokens' (a resident request's adopted prefix): (row, start, slots).
     table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    shared_prefix: int = 0  # decode: positions [0, n) hold the same slots in every request's row (ForwardBatch)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -80,7 +81,7 @@ class ScheduledBatch:
             [] if self.is_decode else [self.input_ids[t] for t in tok], self.out_slots[tok],
             [self.sample[i] for i in idx], [self.epochs[i] for i in idx],
             [pos[i] for i in self.from_buffer if i in pos], [pos[i] for i in self.logprob_reqs if i in pos],
-            self.table_writes)  # idempotent: every part re-applies them
+            self.table_writes, self.shared_prefix)  # idempotent: every part re-applies them; a part shares as much
 
 
 class BatchBuilder:
@@ -117,11 +118,12 @@ class BatchBuilder:
                               table_writes)
 
 
-def decode_batch(reqs: list[Req], prefix_lens: list[int], slots: torch.Tensor, table_writes) -> ScheduledBatch:
+def decode_batch(reqs: list[Req], prefix_lens: list[int], slots: torch.Tensor, table_writes,
+                 shared_prefix: int = 0) -> ScheduledBatch:
     n = len(reqs)
     return ScheduledBatch(reqs, True, [r.row for r in reqs], prefix_lens, [1] * n, [], slots, [True] * n,
                           [r.epoch for r in reqs], [], [i for i, r in enumerate(reqs) if r.params.return_logprob],
-                          table_writes)
+                          table_writes, shared_prefix)
 
 
 @dataclass
@@ -150,6 +152,17 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
     if lo >= n:
         return r.output_ids[lo - n:hi - n]
     return r.input_ids[lo:hi] + r.output_ids[:max(0, hi - n)]
+
+
+def _table_write_index(tw: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, column) of every slot-table write of `tw`, as two int64 tensors, built without Python lists: a
+    prefill that adopts a 1,200-token prefix for 127 requests writes 152k entries."""
+    if not tw:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    lens = torch.tensor([len(s) for _, _, s in tw], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.tensor([row for row, _, _ in tw], dtype=torch.long), lens)
+    first = torch.tensor([start for _, start, _ in tw], dtype=torch.long) - (lens.cumsum(0) - lens)
+    return rows, torch.arange(len(rows)) + torch.repeat_interleave(first, lens)
 
 
 def _own_logits(forward: Future) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,16 +318,15 @@ class ModelRunner:
                 spans.append((i, lo, hi - lo))
                 logit_pos.extend(range(starts[i] + lo - pre[i], starts[i] + hi - pre[i]))
         tw = sb.table_writes
-        tw_rows = [row for row, _, s in tw for _ in range(len(s))]
-        tw_cols = [c for _, start, s in tw for c in range(start, start + len(s))]
+        tw_rows, tw_cols = _table_write_index(tw)
         fb = sb.from_buffer
         ints = (sb.rows + pre + ext + starts + [sb.rows[i] for i in sampled] + logit_pos + sb.input_ids
-                + [sb.rows[i] for i in fb] + [starts[i] for i in fb] + tw_rows + tw_cols)
-        host = torch.cat([torch.tensor(ints, dtype=torch.long), sb.out_slots.long(),
+                + [sb.rows[i] for i in fb] + [starts[i] for i in fb])
+        host = torch.cat([torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols, sb.out_slots.long(),
                           *[s.long() for _, _, s in tw]])
         sizes = [len(sb)] * 4 + [len(sampled), len(logit_pos), len(sb.input_ids), len(fb), len(fb), len(tw_rows),
                                  len(tw_cols), len(sb.out_slots), len(tw_rows)]
-        shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots))
+        shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots), sb.shared_prefix)
         forward = self._forward if self.tp is None else partial(self.tp.run_step, self._forward)
         fut = self._work.submit(forward, host, sizes, shape)
         if sb.is_decode and sb.logprob_reqs and self.graphs is not None:
@@ -325,7 +337,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, host: torch.Tensor, sizes: list[int], shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        is_decode, max_ext, max_seq, n_tok = shape
+        is_decode, max_ext, max_seq, n_tok, shared = shape
         if self._pinned:
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
@@ -347,11 +359,11 @@ class ModelRunner:
                 ids[fb_pos] = self.token_buf[fb_rows]
         self.table[tok_rows, positions] = slots.to(torch.int32)
         if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
-            return self.graphs.replay(ids, positions, slots, rows, seq), sample_rows
+            return self.graphs.replay(ids, positions, slots, rows, seq, shared), sample_rows
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,
             max_extend_len=max_ext, max_seq_len=max_seq, positions=positions, out_slots=slots,
-            logits_index=logit_pos, kv_cache=self.kv, req_to_token=self.table, attn=self.attn)
+            logits_index=logit_pos, kv_cache=self.kv, req_to_token=self.table, attn=self.attn, shared_prefix=shared)
         self.attn.prepare(batch)
         return self.step_model(ids, batch), sample_rows
 

@@ -32,6 +32,10 @@ class ForwardBatch:
     kv_cache: Any
     req_to_token: torch.Tensor
     attn: Any
+    # Decode: positions [0, shared_prefix) hold the same slots in every request's row (a radix-cache prefix the
+    # whole batch shares; each request has keys of its own past it). 0: nothing known. A backend may read it once.
+    # In a cascade CUDA graph (cuda_graph.py): an int32 [1] device tensor holding it.
+    shared_prefix: Any = 0
     meta: Any = None  # backend-private, set by attn.prepare()
     cos: Any = None  # [T, D] RoPE tables gathered by the model at the start of its forward
     sin: Any = None
@@ -60,6 +64,11 @@ class AttentionBackend(ABC):
         """Before capturing a decode graph over `batch`, whose tensors are the graph's static buffers (lengths
         padded, `max_seq_len` the context length). Default: prepare()."""
         self.prepare(batch)
+
+    def reads_shared_prefix(self, batch_size: int, shared_prefix: int, kv_cache) -> bool:
+        """Whether a decode of `batch_size` requests sharing `shared_prefix` positions of `kv_cache` reads that
+        prefix once for the batch (a CUDA graph replay then takes the bucket's cascade graph). Default: never."""
+        return False
 
     def prepare_replay(self, batch: ForwardBatch, num_real: int) -> None:
         """Before each replay, once the static buffers hold the new step (the first `num_real` rows are real, the

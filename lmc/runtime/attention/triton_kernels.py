@@ -175,18 +175,29 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
-    qk_scale,
+    qk_scale, kv_start, KvStartPtr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
+    """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
+    [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
+    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * split_len
+    if HAS_PREFIX:
+        if PREFIX_PTR:
+            kv_start = tl.load(KvStartPtr)
+        split_len = _split_len(seq_len - kv_start, NUM_SPLITS, BLOCK_N)
+        start = kv_start + split * split_len
+    else:  # the kernel as before the cascade: splits start at multiples of BLOCK_N, which the compiler can see
+        # (measured on the H200: with a runtime kv_start of 0, batch-64 decode attention took 5% longer)
+        split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:
         return  # stage 2 recomputes which splits are empty and skips them
@@ -221,7 +232,7 @@ def _decode_stage1_kernel(
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
-    if NUM_SPLITS == 1:  # the whole sequence: the output itself, and no stage 2
+    if NUM_SPLITS == 1 and not HAS_PREFIX:  # the whole sequence: the output itself, and no stage 2
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(O.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
@@ -236,20 +247,87 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
-def _decode_stage2_kernel(
-    PartAcc, PartLse, O, SeqLens,
-    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _decode_prefix_kernel(
+    Q, K, V, ReqToToken, Rows, PartAcc, PartLse,
+    qk_scale, prefix_len, PrefixLenPtr, num_q_rows,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
+    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
+    """The keys [0, prefix_len) that every request of the batch shares slot for slot: program (t, kv_h, split)
+    takes BLOCK_Q of the batch's B x GROUP query rows of KV head kv_h (row r: request r // GROUP, head
+    kv_h GROUP + r % GROUP) against split `split` of the prefix, so each K/V tile is read once per BLOCK_Q
+    queries of the whole batch instead of once per request. Its normalized partial and log2-sum-exp go to
+    split NUM_SPLITS + split of the stage-1 scratch; stage 2 merges them with the requests' own keys."""
+    t = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    if PREFIX_PTR:  # 0 there (a graph's capture): every program returns
+        prefix_len = tl.load(PrefixLenPtr)
+    split_len = _split_len(prefix_len, PREFIX_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+    if start >= end:
+        return  # stage 2 skips it the same way
+    slot_row = ReqToToken + tl.load(Rows).to(tl.int64) * stride_req  # any row: they agree on the prefix
+
+    offs_r = t * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_mask = offs_r < num_q_rows
+    d_mask = offs_d < HEAD_DIM
+    req = (offs_r // GROUP).to(tl.int64)
+    heads = kv_h * GROUP + offs_r % GROUP
+    q_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + req[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        k_pos = n_start + offs_n
+        n_mask = k_pos < end
+        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+
+    s = NUM_SPLITS + split
+    tl.store(PartAcc + req[:, None] * stride_pab + heads[:, None] * stride_pah + s * stride_pas + offs_d[None, :],
+             acc / l_i[:, None], mask=q_mask)
+    tl.store(PartLse + req * stride_plb + heads * stride_plh + s, m_i + tl.log2(l_i), mask=r_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    PartAcc, PartLse, O, SeqLens, kv_start, KvStartPtr,
+    stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_PTR: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merges request b's NUM_SPLITS stage-1 splits of keys [kv_start, seq_len) and the PREFIX_SPLITS splits of
+    the shared prefix [0, kv_start) that follow them (none without a shared prefix)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
+    if PREFIX_SPLITS > 0:
+        if PREFIX_PTR:
+            kv_start = tl.load(KvStartPtr)
+        seq_len -= kv_start
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     # Empty splits were never written: mask them out instead of reading scratch.
     s_mask = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    if PREFIX_SPLITS > 0:
+        prefix_split_len = _split_len(kv_start, PREFIX_SPLITS, PREFIX_BLOCK_N)
+        p = offs_s - NUM_SPLITS
+        s_mask = s_mask | ((p >= 0) & (p < PREFIX_SPLITS) & (p * prefix_split_len < kv_start))
     d_mask = offs_d < HEAD_DIM
 
     lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
@@ -324,6 +402,12 @@ def extend_attention(
     return o
 
 
+def _prefix_splits(q_tiles: int, num_kv_heads: int, prefix_len: int, block_n: int) -> int:
+    """Splits of the shared prefix: about two waves of programs, never finer than one key block."""
+    return max(1, min(triton.cdiv(_DECODE_TARGET_PROGRAMS, q_tiles * num_kv_heads), triton.cdiv(prefix_len, block_n),
+                      _DECODE_MAX_SPLITS))
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -334,6 +418,7 @@ def decode_attention(
     sm_scale: float,
     max_seq_len: int | None = None,
     config: tuple[int, int, int] | None = None,
+    shared_prefix: int = 0,
 ) -> torch.Tensor:
     """Single-token decode attention, flash-decoding style (split-K).
 
@@ -346,6 +431,12 @@ def decode_attention(
             number of KV splits; None means req_to_token.shape[1], which keeps
             the launch shape independent of the batch's lengths (CUDA graphs).
         config: (BLOCK_N, num_warps, num_stages) of stage 1; None: _decode_config.
+        shared_prefix: P: positions [0, P) hold the same slots in every row
+            of `rows` (a prefix the batch shares in the radix cache), and
+            P < seq_lens[b] for every b. 0: nothing assumed. A Python int, or
+            an int32 [1] device tensor (CUDA graphs: the launch is sized for
+            any P below max_seq_len, the length read on the device; 0 there
+            turns the prefix kernel's programs into no-ops).
     Invariants:
         1 <= seq_lens[b] <= max_context, and the query's own K/V is already
         written at slot req_to_token[rows[b], seq_lens[b] - 1].
@@ -357,49 +448,78 @@ def decode_attention(
     normalized output and log-sum-exp to fp32 scratch. Stage 2 merges the
     splits per (request, query head). With one split (a batch of enough
     requests to fill the GPU unsplit) stage 1 writes the output and stage 2
-    does not run.
+    does not run. With a shared prefix, stage 1 covers each request's own keys
+    [P, seq_len) only, and _decode_prefix_kernel the prefix, once for the
+    whole batch (the cascade: a 1,200-token prompt shared by 128 requests is
+    read once a layer instead of 128 times); stage 2 merges both.
     """
     _check_inputs(q, k_buf, v_buf, req_to_token)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    block_n, num_warps, num_stages = config or _decode_config(batch * num_kv_heads, block_d * q.element_size())
+    row_bytes = block_d * q.element_size()
+    block_n, num_warps, num_stages = config or _decode_config(batch * num_kv_heads, row_bytes)
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
+    on_device = isinstance(shared_prefix, torch.Tensor)
+    if not on_device and not 0 <= shared_prefix < max_seq_len:
+        raise ValueError(f"shared_prefix must be in [0, max_seq_len = {max_seq_len}), got {shared_prefix}")
+    longest_prefix = max_seq_len - 1 if on_device else shared_prefix  # what the launch must cover
+    # The kernels take the length as an int and, read instead where PREFIX_PTR, a pointer (seq_lens: unread).
+    prefix_arg, prefix_ptr = (0, shared_prefix) if on_device else (shared_prefix, seq_lens)
     num_splits = max(1, min(
         triton.cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads)),
-        triton.cdiv(max_seq_len, block_n),
+        triton.cdiv(max_seq_len - (0 if on_device else shared_prefix), block_n),
         _DECODE_MAX_SPLITS,
     ))
+    if longest_prefix:
+        q_rows = batch * group
+        block_q, prefix_block_n, prefix_warps, prefix_stages = _extend_config(row_bytes, q_rows)
+        q_tiles = triton.cdiv(q_rows, block_q)
+        prefix_splits = _prefix_splits(q_tiles, num_kv_heads, longest_prefix, prefix_block_n)
+    else:
+        prefix_splits, prefix_block_n = 0, block_n
+    parts = num_splits + prefix_splits
 
     o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if num_splits > 1:
-        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    if parts > 1:
+        part_acc = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=q.device)
     else:  # stage 1 writes o itself (batched decode: enough programs without splitting)
         part_acc, part_lse = o.unsqueeze(2), o[:, :, 0]  # unused: stand-ins with the right number of strides
 
+    if prefix_splits:
+        _decode_prefix_kernel[(q_tiles, num_kv_heads, prefix_splits)](
+            q, k_buf, v_buf, req_to_token, rows, part_acc, part_lse,
+            sm_scale * _LOG2E, prefix_arg, prefix_ptr, q_rows,
+            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            req_to_token.stride(0),
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
+            PREFIX_PTR=on_device, BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+            num_warps=prefix_warps, num_stages=prefix_stages,
+        )
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E, prefix_arg, prefix_ptr,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits == 1:
+    if parts == 1:
         return o
     _decode_stage2_kernel[(batch, num_heads)](
-        part_acc, part_lse, o, seq_lens,
+        part_acc, part_lse, o, seq_lens, prefix_arg, prefix_ptr,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, PREFIX_PTR=on_device,
+        BLOCK_S=triton.next_power_of_2(parts), BLOCK_N=block_n, PREFIX_BLOCK_N=prefix_block_n, BLOCK_D=block_d,
         num_warps=4,
     )
     return o

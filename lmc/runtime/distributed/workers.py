@@ -36,7 +36,7 @@ from .plan import ShardPlan, TensorParallelError, local_config, plan_shards
 log = logging.getLogger(__name__)
 
 _STEP, _STOP = 1, 0
-_SHAPE, _PARTS = 4, 13  # ModelRunner.launch's step shape and number of packed parts
+_SHAPE, _PARTS = 5, 13  # ModelRunner.launch's step shape and number of packed parts
 _HEADER = 1 + _SHAPE + _PARTS  # the command, the shape, the parts' sizes
 _START_TIMEOUT_S = 600.0
 

@@ -91,6 +91,34 @@ class CacheManager:
             r.kv_len += 1
         return positions, slots
 
+    def shared_prefix(self, reqs: list[Req]) -> int:
+        """How many leading positions every request of a batch holds in the same slots (a radix-cache prefix they
+        all matched): the decode attention can read those once for the batch. Only tree-owned positions, below
+        every request's cache_protected_len, can agree, and there agreement is prefix-closed (a tree slot at
+        position p implies the tree's path up to p), so a binary search over columns finds the end in
+        O(B log n): unrelated prompts end at the first column, a batch on one prompt at the last."""
+        n = min((r.cache_protected_len for r in reqs), default=0)
+        if len(reqs) < 2 or n == 0:
+            return 0
+        rows = torch.tensor([r.row for r in reqs])
+
+        def agree(p: int) -> bool:
+            col = self.table[rows, p]
+            return bool((col == col[0]).all())
+
+        if not agree(0):
+            return 0
+        if agree(n - 1):
+            return n
+        lo, hi = 1, n - 1  # columns < lo agree, column hi does not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if agree(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def _alloc(self, n: int) -> torch.Tensor:
         slots = self.slots.alloc(n)
         if slots is None:

@@ -54,7 +54,7 @@ def schedule_decode(s: "Scheduler") -> ScheduledBatch | None:
     if not reqs:
         return None
     positions, slots = mem.extend_each(reqs)
-    return decode_batch(reqs, positions, slots, mem.take_pending())
+    return decode_batch(reqs, positions, slots, mem.take_pending(), mem.shared_prefix(reqs))
 
 
 def retract(s: "Scheduler") -> Req:
