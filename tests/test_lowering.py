@@ -18,6 +18,7 @@ from lmc.compiler.pipeline import Target
 from lmc.protocol import Capabilities, ChatTemplate
 
 from conftest import API_KEY
+from doubles import ScriptedBackend
 from test_examples import PROGRAM_FILES, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,6 +168,26 @@ def test_a_multi_token_score_prefills_its_prompt_only_where_the_engine_shares_no
         # without sharing: one prefill, then the choices as extensions; with it the choices' one engine call
         # shares the prompt already, and a prefill would cost the select a round trip of its own
         assert score.token_ids is None and score.prefill is not sharing
+
+
+class SharingScriptedBackend(ScriptedBackend):
+    """The scripted double on a backend that computes a prefix shared by queued requests once."""
+    capabilities = Capabilities(batch_prefix_sharing=True)
+
+
+def test_a_fork_prefills_its_parent_only_where_the_backend_shares_no_prefix_in_a_batch(tokenizer):
+    tmpl, judge = ChatTemplate.from_tokenizer(tokenizer), _program("judge").compile()
+    for sharing in (False, True):
+        caps = Capabilities(token_id_selects=True, batch_prefix_sharing=sharing)
+        [fork] = [o for o in _ops(judge.plan_for(Target("local", tmpl, tokenizer, caps)).ops) if isinstance(o, Fork)]
+        # with sharing the branches, queued together, compute the parent's uncached text once among themselves
+        assert fork.commit and fork.prefill is not sharing
+    args = {"question": "What is 2 + 2?", "answer": "4."}
+    for backend, commits in ((ScriptedBackend("1"), 1), (SharingScriptedBackend("1"), 0)):
+        state = judge.run(**args, backend=backend)
+        assert state["scores"] == {"clarity": 1, "accuracy": 1, "relevance": 1}  # ran through its branches
+        # (the selects' prompt prefills are commits too: count the fork's)
+        assert sum(kind == "commit" and text.endswith(fork.commit) for kind, text in backend.calls) == commits
 
 
 def test_multi_token_choices_are_scored_by_the_score_op_as_the_interpreter_decides(engine):

@@ -132,9 +132,9 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
 
 async def _fork(plan: Plan, op: Fork, stream: Stream, args: dict) -> tuple[list[Stream], list[asyncio.Task]]:
     """Start the branches (all at once, or one after another without fork batching); the join awaits them."""
-    if len(op.branches) > 1 and stream.text:
-        # The hint is not awaited: it reaches the engine before the branches, whose scheduler computes the prefix
-        # once and lets the branches find it cached (in-batch prefix dedup), without a round trip.
+    if op.prefill and len(op.branches) > 1 and stream.text:
+        # The hint (planned only where the backend does not share prefixes in a batch itself: lower) is not
+        # awaited: it reaches the backend before the branches, which find it cached, without a round trip.
         asyncio.ensure_future(stream.backend.commit(stream.text + op.commit))
     children = [stream.child() for _ in op.branches]
     tasks = []

@@ -12,7 +12,8 @@ The operations (one small vocabulary; `Plan.to_json()` / `Plan.from_json()` roun
             scores them all);
 - set       set a variable to a host value; scope: begin / end a var_scope;
 - fork      start the branches (each a block of operations on its own copy of the state), after a prefill hint
-            of the parent's text plus the text every branch starts with;
+            of the parent's text plus the text every branch starts with (on a backend that does not share a
+            prefix's computation among queued requests itself);
 - join      wait for a fork's branches and merge them (gather_variable or concate_and_append);
 - call      run a nested program as its own instance;
 - branch    test a variable and run one of two blocks (the rest of the segment lives inside them: traced paths
@@ -167,6 +168,7 @@ class Fork(Op):
     commit: str = ""  # text every branch starts with, prefilled with the parent's text (fork_commit)
     batch: bool = True  # every branch in flight at once (fork_batch), else one after another
     branches: list[list[Op]] = field(default_factory=list)
+    prefill: bool = True  # send that prefill (the parent's text + commit) before the branches (see lower)
 
     def check(self):
         for i, block in enumerate(self.branches):
@@ -427,8 +429,13 @@ def lower(g: ProgramGraph, target, stats: dict[str, dict], speculation_tokens: i
     # the prefill would only cost every select a round trip of its own.
     caps = target.capabilities
     select_prefill = target.kind == "local" and not (caps is not None and caps.batch_prefix_sharing)
+    # Likewise a fork's prefill hint: where queued requests share a prefix's computation, the branches (queued
+    # together) compute the parent's uncached text once among themselves; the hint request, not awaited, lands in
+    # their batch, where it keeps them from mixing with running decodes (a plain request's prefill is a forward
+    # of its own), and a parent tail shorter than in-batch sharing's minimum is computed by it and every branch.
+    fork_prefill = not (caps is not None and caps.batch_prefix_sharing)
     ctx = _Lowering(g, target.kind, decided.get("commits", {}), decided.get("fork_batch", False),
-                    decided.get("select_tokens", {}), spec, select_prefill)
+                    decided.get("select_tokens", {}), spec, select_prefill, fork_prefill)
     roots = [r for r in g.roots() if g.node(r).stream == 0]
     plan = Plan(g.name, target.kind, ctx.block(roots[0] if roots else None), list(g.params),
                 None if g.inputs is None else list(g.inputs), decided.get("batch_prefix", False),
@@ -446,6 +453,7 @@ class _Lowering:
     select_tokens: dict[int, list[int]]
     spec: dict[int, SpecStep]
     select_prefill: bool  # a general score prefills its prompt first (see lower)
+    fork_prefill: bool  # a fork prefills the parent's text + commit first (see lower)
 
     def __post_init__(self):
         # a fork branch's stream -> its fork (a join finds its fork through the streams that end in it)
@@ -482,7 +490,8 @@ class _Lowering:
                 ops.append(Scope(nid, op, a["name"], a["edge"]))
             elif node.kind == "fork":
                 ops.append(Fork(nid, op, self.commits.get(nid, ""), self.fork_batch,
-                                [self.block(self._next(item)) for item, _ in g.successors(nid, "fork")]))
+                                [self.block(self._next(item)) for item, _ in g.successors(nid, "fork")],
+                                self.fork_prefill))
             elif node.kind == "join":
                 ops.append(Join(nid, op, self._fork_of_join(nid, ops), a["mode"]))
             elif node.kind == "call":
@@ -570,7 +579,7 @@ def _format_block(block: list[Op], depth: int, lines: list[str]) -> None:
         elif isinstance(o, Scope):
             lines.append(f"{head} {o.edge} {o.name}")
         elif isinstance(o, Fork):
-            commit = f" commit {json.dumps(o.commit)}" if o.commit else ""
+            commit = (f" commit {json.dumps(o.commit)}" if o.commit else "") if o.prefill else " no prefill"
             lines.append(f"{head} x{len(o.branches)}{' batch' if o.batch else ''}{commit}")
             for k, b in enumerate(o.branches):
                 lines.append(f"{pad}  branch {k}:")

@@ -129,11 +129,12 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
         return None
     b = add.batch
     if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
-            and all(((r.jumps or r.chain is not None) and r.computed_tokens) or r.parent is not None
+            and all((r.jumps and r.computed_tokens) or r.chain is not None or r.parent is not None
                     for r in b.reqs)
             and s.memory.room >= len(s.running)):
         # Only short extends of running work to prefill (a jump-forward's forced tokens, a chain's next text or
-        # its select's choices):
+        # its select's choices, a chain's first text: a compiled program's next segment after a host break or a
+        # fork's branch, whose prefix the tree mostly holds):
         # the running requests decode in the same forward (as 1-token extends, their input token read on the
         # device), so a jump or a chain's next call costs its request no extra forward and the others no stall.
         for r in s.running:
