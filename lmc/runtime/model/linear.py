@@ -91,7 +91,7 @@ class Linear(nn.Module):
         if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
             rows = x.reshape(-1, self.in_features).contiguous()
             # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving)
-            if rows.shape[0] >= LARGE_ROWS and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and rows.shape[0] >= LARGE_ROWS:
                 return F.linear(x, self.weight, self.bias)
             y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
