@@ -63,6 +63,15 @@ static inline float exp_simd(float x) {
   return p * scale;
 }
 
+// The K and V rows of a request's keys sit at its slots, anywhere in the cache (a decode step's KV is ~70 MB at
+// batch 16, read from memory): each key loop prefetches the row kSlotAhead slots ahead, which the hardware
+// prefetcher cannot guess (a decode step's 30 layers at batch 16 and 104 keys: 21 ms without, 12 ms with it,
+// alternated in one process on this 2-core machine; 4 ahead: 13 ms, 16: 12 ms).
+constexpr int64_t kSlotAhead = 8;
+static inline void prefetch_row(const float* r, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(r + d, 0, 3);
+}
+
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                            const at::Tensor& rows, const at::Tensor& prefix, const at::Tensor& extend,
@@ -97,6 +106,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       s.resize(G * n);
       for (int64_t j = 0; j < n; ++j) {
         const float *kr = kp + ((int64_t)slots[j] * Hkv + hk) * D;
+        if (j + kSlotAhead < n) prefetch_row(kp + ((int64_t)slots[j + kSlotAhead] * Hkv + hk) * D, D);
         for (int64_t g = 0; g < G; ++g) {
           const float *qr = qg + g * D;
           float dot = 0.f;
@@ -116,6 +126,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float *vr = vp + ((int64_t)slots[j] * Hkv + hk) * D;
+        if (j + kSlotAhead < n) prefetch_row(vp + ((int64_t)slots[j + kSlotAhead] * Hkv + hk) * D, D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = s[g * n + j];
           float *a = acc.data() + g * D;
