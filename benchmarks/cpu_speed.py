@@ -16,7 +16,14 @@ Each figure is the median of --reps repetitions with min and max (record.spread)
 benchmarks/results/cpu_speed.json, with the command and load of the run in `provenance` (record.provenance) and,
 for the start times (which an --only-start run may measure separately), in `start_provenance`.
 
+`--gemm` (alone; into the same JSON, key `gemm`): the linears' GEMM at the model's shapes, one step's worth of
+distinct weights (30 layers x qkv, o, gate_up, down: 425 MB, more than the caches hold, as in the engine; the
+lm-head on its own), per row count of x: the engine's Linear (the panel GEMM, or MKL from linear.LARGE_ROWS rows),
+the panel GEMM alone, MKL's `F.linear` on the dense weight and oneDNN's packed `_linear_pointwise`, alternated
+within every repetition; milliseconds per step of linears.
+
     python benchmarks/cpu_speed.py [--reps 3] [--configs before kernel compiled] [--skip-start | --only-start]
+    python benchmarks/cpu_speed.py --gemm [--reps 5] [--gemm-rows 1 8 16 64 256 1024 4096]
 """
 from __future__ import annotations
 
@@ -131,6 +138,62 @@ def measure_starts(configs: list[str], reps: int) -> dict:
     return res
 
 
+GEMM_SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+               "lm_head": (576, 49152)}  # (in K, out N) of SmolLM2-135M's linears
+
+
+def gemm_ms(rows: list[int], reps: int) -> dict:
+    """{"layers" | "lm_head": {backend: {rows: spread of ms}}} (see the module docstring)."""
+    import torch.nn.functional as F
+
+    from lmc.runtime.attention.cpu_kernel import panels
+    from lmc.runtime.model.linear import Linear
+
+    ops = panels()
+    if ops is None:
+        raise SystemExit("--gemm: no panel GEMM on this machine (no AVX-512 or no C++ toolchain)")
+    g = torch.Generator().manual_seed(0)
+    groups = {"layers": [GEMM_SHAPES[n] for n in ("qkv", "o", "gate_up", "down")] * 30,
+              "lm_head": [GEMM_SHAPES["lm_head"]]}
+    out: dict = {}
+    for group, dims in groups.items():
+        lins = []
+        for k, n in dims:
+            lin = Linear(k, n)
+            with torch.no_grad():
+                lin.weight.copy_(torch.randn(n, k, generator=g))
+            lin.prepack()
+            lins.append(lin)
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 16) for lin in lins]
+        backends = {
+            "engine": lambda x, i: lins[i](x),
+            "panels": lambda x, i: ops.panel_linear(x, lins[i].packed, lins[i].out_features, None),
+            "mkl": lambda x, i: F.linear(x, lins[i].weight),
+            "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
+        }
+        res: dict = {name: {} for name in backends}
+        for m in rows:
+            xs = [torch.randn(m, k, generator=g) for k, _ in dims]
+            times: dict = {name: [] for name in backends}
+            for rep in range(reps + 1):  # the first repetition warms up, unmeasured
+                for name in backends if rep % 2 == 0 else list(reversed(backends)):
+                    fn = backends[name]
+                    with torch.inference_mode():
+                        t0 = time.perf_counter()
+                        for i, x in enumerate(xs):
+                            fn(x, i)
+                        dt = time.perf_counter() - t0
+                    if rep:
+                        times[name].append(dt * 1e3)
+            for name in backends:
+                res[name][str(m)] = spread(times[name])
+            print(f"gemm {group} M={m}: " + ", ".join(f"{name} {res[name][str(m)]['median']:.1f} ms"
+                                                       for name in backends), flush=True)
+        out[group] = res
+        del lins, onednn
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
@@ -141,10 +204,21 @@ def main() -> None:
     ap.add_argument("--skip-start", action="store_true")
     ap.add_argument("--only-start", action="store_true", help="measure start times into an existing JSON")
     ap.add_argument("--start-reps", type=int, default=None, help="default: --reps")
+    ap.add_argument("--gemm", action="store_true", help="measure the linears' GEMM into an existing JSON")
+    ap.add_argument("--gemm-rows", type=int, nargs="*", default=[1, 8, 16, 64, 256, 1024, 4096])
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     prov = provenance("benchmarks/cpu_speed.py", SHARED_MACHINE_NOTE)
+    if args.gemm:
+        out = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        load = os.getloadavg()
+        out["gemm"] = {"ms_per_step": gemm_ms(args.gemm_rows, args.reps), "shapes_k_n": GEMM_SHAPES,
+                       "threads": torch.get_num_threads(), "load_average_before_after": [load, os.getloadavg()],
+                       "provenance": finish(prov)}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        return
     if args.only_start:
         out = json.load(open(args.out)) if os.path.exists(args.out) else {}
         load = os.getloadavg()

@@ -34,14 +34,31 @@ def make(in_f: int, out_f: int, bias: bool, seed: int = 0) -> Linear:
 def test_prepacked_matches_dense_at_every_batch_size(bias, layout):
     lin = make(96, 170, bias)  # 170 outputs: a partial last panel
     w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
-    assert lin.prepack() and lin.packed is not None and lin.weight is None  # the dense copy is dropped
+    assert lin.prepack() and lin.packed is not None
     assert lin.panels == (layout == "panels")
+    assert (lin.weight is None) == (layout == "onednn")  # the panels keep the dense copy for large inputs
     g = torch.Generator().manual_seed(1)
-    for m in (1, 3, 8, 16, 17, 100):  # blocks of 8 rows (panels), a layout packed for 16 (oneDNN): all must work
+    for m in (1, 3, 8, 16, 17, 100):  # groups of 8 rows (panels), a layout packed for 16 (oneDNN): all must work
         x = torch.randn(m, 96, generator=g)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     x3 = torch.randn(2, 5, 96, generator=g)  # leading dimensions pass through
     torch.testing.assert_close(lin(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_panels_at_prefill_sizes_match_dense(monkeypatch):
+    """The panel GEMM's blocking (chunks of rows, blocks of 64 k-rows, a partial last panel) at a prefill's row
+    count, with the large-input switch to MKL moved out of the way; then that switch itself."""
+    if linear._panel_ops() is None:
+        pytest.skip("no panel GEMM here (no AVX-512 or no C++ toolchain)")
+    lin = make(200, 170, True)  # K = 200: 4 k-blocks, the last partial
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.prepack()
+    x = torch.randn(1500, 200, generator=torch.Generator().manual_seed(3))  # > one chunk of rows (40 groups of 8)
+    monkeypatch.setattr(linear, "LARGE_ROWS", 10**9)
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lin(x[:13]), F.linear(x[:13], w, b), rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(linear, "LARGE_ROWS", 8)
+    assert torch.equal(lin(x[:13]), F.linear(x[:13], w, b))  # at and past LARGE_ROWS: MKL on the dense weight
 
 
 def test_set_weight_repacks(layout):

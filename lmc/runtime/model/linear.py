@@ -2,10 +2,12 @@
 
 A decode step on the CPU is bound by reading the weights (fp32 SmolLM2-135M: 540 MB a step), and a plain
 `F.linear` hands MKL a row-major weight that it re-blocks on every call. `prepack_linears(model)` reorders each
-fp32 CPU weight once and drops the dense copy, into one of two layouts:
+fp32 CPU weight once, into one of two layouts:
 - panels (AVX-512 CPUs, where the C++ library of attention/cpu_kernel.py has `panel_linear`): [N / 48, K, 48],
-  run by that library's GEMM, which streams each panel once per 8 rows of x. At decode batch sizes oneDNN's
-  kernels take about twice its time per weight byte on this machine (2 cores, AVX-512: benchmarks/cpu_speed.py).
+  run by that library's GEMM, which streams the weight from memory once per call. At decode batch sizes oneDNN's
+  and MKL's kernels take two to five times its time on this machine (2 cores, AVX-512: benchmarks/cpu_speed.py
+  --gemm). From LARGE_ROWS rows of x on (prefill chunks) MKL's GEMM on the dense weight is faster, so the dense
+  copy is kept beside the panels (+425 MB for SmolLM2; the tied lm-head's is the embedding's table anyway).
 - oneDNN's blocked layout elsewhere (`torch.ops.mkldnn._reorder_linear_weight`, the layout that inductor's
   freezing pass and vLLM's CPU backend use), run by `torch.ops.mkldnn._linear_pointwise`; it serves any batch size
   (the batch hint only tunes the layout). MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) is not used: it
@@ -17,10 +19,16 @@ Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 
+# Rows of x from which the panels' layer runs MKL on the dense weight instead. Measured in one engine, alternating
+# (2 cores, loaded machine): the prefill of 24 x 200-token prompts (chunks of 4096 and 704 tokens) took 11.4 s
+# (11.3-11.9) on the panels alone, 10.4 s with MKL from 1024 rows, 9.8 s (9.1-10.2) from 2048; at 30 layers' distinct
+# weights the panels are ahead up to ~1500 rows and 2-5x ahead at decode sizes (benchmarks/cpu_speed.py --gemm).
+LARGE_ROWS = 2048
 # The batch size oneDNN's weight layout is chosen for: a decode batch. Measured on this build (2 cores, AVX-512):
 # the same blocked layout serves batches 1-1024 within noise of a layout packed for each.
 PACK_BATCH_HINT = 16
@@ -52,27 +60,29 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # the packed weight once prepack() ran; then `weight` is None
-        self.panels = False  # whether `packed` is in panels (else oneDNN's layout)
+        self.packed: torch.Tensor | None = None  # the packed weight once prepack() ran
+        self.panels = False  # whether `packed` is in panels (else oneDNN's layout, and `weight` is None)
 
     @torch.no_grad()
     def prepack(self) -> bool:
-        """Pack the weight (panels or oneDNN's layout: see the module docstring) and drop the dense copy. Returns
-        whether it did (CPU fp32 only; elsewhere the layer stays on F.linear)."""
+        """Pack the weight (panels or oneDNN's layout: see the module docstring); oneDNN's drops the dense copy,
+        the panels keep it for large inputs. Returns whether it did (CPU fp32 only; elsewhere the layer stays on
+        F.linear)."""
         if self.packed is not None:
             return True
         if not prepack_supported(self.weight):
             return False
         self.packed, self.panels = _pack(self.weight)
-        self.weight = None  # a tied weight stays alive through its other owner (the embedding)
+        if not self.panels:
+            self.weight = None  # a tied weight stays alive through its other owner (the embedding)
         return True
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
         """New values for the weight [out_features, in_features], packed again if the layer was prepacked."""
-        if self.packed is None:
+        if self.weight is not None:
             self.weight.copy_(weight)
-        else:
+        if self.packed is not None:
             self.packed, self.panels = _pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +90,9 @@ class Linear(nn.Module):
             return kernels.linear(x, self.weight, self.bias)  # F.linear, or a faster decode GEMM on the GPU
         if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
             rows = x.reshape(-1, self.in_features).contiguous()
+            # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving)
+            if not torch.compiler.is_compiling() and rows.shape[0] >= LARGE_ROWS:
+                return F.linear(x, self.weight, self.bias)
             y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
