@@ -713,7 +713,7 @@ def _register_suite() -> None:
     # by name: the suite also writes suite_quick.json (its smoke runs) next to its recorded runs
     for name in ("suite_cpu.json", "suite_cpu_large.json", "suite_h200.json"):
         SECTIONS[name] = mod.render
-    README_LINES["suite_cpu.json"] = mod.readme_line
+    README_LINES["suite_cpu.json"] = README_LINES["suite_cpu_large.json"] = mod.readme_line
 
 
 # ---- output -----------------------------------------------------------------------------------------------------
