@@ -1,7 +1,7 @@
 """Engine-side continuation (lmc.runtime.continuation, lmc.compiler.chain), on the session engine: a compiled
 program's run of gens and selects between host breaks is one engine request, and gives what the call-by-call
 run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
-children, selects fused with the gen after them, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
+children, selects fused with the gen after them, on an idle engine by ids too, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
 aborted chain gives up its KV."""
 import asyncio
 import re
@@ -11,7 +11,9 @@ import pytest
 
 import lmc
 from lmc.protocol import token_length_normalized, unconditional_likelihood_normalized
-from lmc.runtime import RequestError
+from lmc.runtime import RequestError, continuation
+
+from programs_support import chain
 
 
 @lmc.function
@@ -118,6 +120,37 @@ def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
     for name in ("round", "big", "far"):  # scored from the same positions as the unfused select
         assert on.get_meta_info(name)["normalized_prompt_logprobs"] == pytest.approx(
             off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
+
+
+def _forwards(program, be, engine, **args):
+    assert engine.flush_cache()
+    before = engine.stats()
+    state = _run(program, be, engine, True, **args)
+    after = engine.stats()
+    return state, after["forwards"] - before["forwards"], after["fused_selects"] - before["fused_selects"]
+
+
+def test_select_by_ids_is_fused_on_an_idle_engine(local, engine, monkeypatch):
+    """One instance alone on the engine (latency): a select of single tokens followed by a greedy gen is fused
+    too, one forward fewer per such select, with the same outputs and select logprobs; not where its children
+    would compute more than IDLE_FUSE_TOKENS, nor with other instances running."""
+    be, _ = local
+    off = _run(chain, be, engine, False, topic="the moon")
+    on, forwards, fused = _forwards(chain, be, engine, topic="the moon")
+    assert fused == 2  # true0 -> fact1, true1 -> fact2; not true2, the last call
+    assert on.variables() == off.variables() and on.text() == off.text()
+    for name in ("true0", "true1", "true2"):
+        assert on.get_meta_info(name)["normalized_prompt_logprobs"] == pytest.approx(
+            off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
+    monkeypatch.setattr(continuation, "IDLE_FUSE_TOKENS", 0)
+    by_ids, unfused_forwards, fused = _forwards(chain, be, engine, topic="the moon")
+    assert fused == 0 and by_ids.variables() == on.variables()
+    assert unfused_forwards - forwards == 2
+    monkeypatch.undo()
+    before = engine.stats()["fused_selects"]
+    states = chain.compile().run_batch([{"topic": "the moon"}] * 2, backend=be, temperature=0)
+    assert engine.stats()["fused_selects"] == before  # each select's engine is busy with the other instance
+    assert all(st.variables() == off.variables() for st in states)
 
 
 def test_select_of_single_tokens_is_scored_by_ids_without_the_plans_ids(engine):
