@@ -1,8 +1,8 @@
 """Engine-side continuation (lmc.runtime.continuation, lmc.compiler.chain), on the session engine: a compiled
 program's run of gens and selects between host breaks is one engine request, and gives what the call-by-call
 run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
-children, selects fused with the gen after them, on an idle engine by ids too, forks); each call's result streams as it finishes; a malformed chain is refused naming the step; an
-aborted chain gives up its KV."""
+children, selects fused with the gen after them, in a small forward by ids too, forks); each call's result
+streams as it finishes; a malformed chain is refused naming the step; an aborted chain gives up its KV."""
 import asyncio
 import re
 import threading
@@ -130,10 +130,10 @@ def _forwards(program, be, engine, **args):
     return state, after["forwards"] - before["forwards"], after["fused_selects"] - before["fused_selects"]
 
 
-def test_select_by_ids_is_fused_on_an_idle_engine(local, engine, monkeypatch):
-    """One instance alone on the engine (latency): a select of single tokens followed by a greedy gen is fused
-    too, one forward fewer per such select, with the same outputs and select logprobs; not where its children
-    would compute more than IDLE_FUSE_TOKENS, nor with other instances running."""
+def test_select_by_ids_is_fused_in_a_small_forward(local, engine, monkeypatch):
+    """Latency fusion: a select of single tokens followed by a greedy gen is fused too where nothing is queued
+    and the forward stays small, one forward fewer per such select, with the same outputs and select logprobs;
+    not where its children would compute more than LATENCY_FUSE_TOKENS, nor where another request waits."""
     be, _ = local
     off = _run(chain, be, engine, False, topic="the moon")
     on, forwards, fused = _forwards(chain, be, engine, topic="the moon")
@@ -142,14 +142,15 @@ def test_select_by_ids_is_fused_on_an_idle_engine(local, engine, monkeypatch):
     for name in ("true0", "true1", "true2"):
         assert on.get_meta_info(name)["normalized_prompt_logprobs"] == pytest.approx(
             off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
-    monkeypatch.setattr(continuation, "IDLE_FUSE_TOKENS", 0)
+    monkeypatch.setattr(continuation, "LATENCY_FUSE_TOKENS", 0)
     by_ids, unfused_forwards, fused = _forwards(chain, be, engine, topic="the moon")
     assert fused == 0 and by_ids.variables() == on.variables()
     assert unfused_forwards - forwards == 2
     monkeypatch.undo()
     before = engine.stats()["fused_selects"]
     states = chain.compile().run_batch([{"topic": "the moon"}] * 2, backend=be, temperature=0)
-    assert engine.stats()["fused_selects"] == before  # each select's engine is busy with the other instance
+    # the two instances reach their first select in one forward: the second finds the first's children queued
+    assert engine.stats()["fused_selects"] - before < 4
     assert all(st.variables() == off.variables() for st in states)
 
 

@@ -34,11 +34,13 @@ decided by the step's method (lmc.protocol.decide); the chosen choice is the tex
   from there, one forward sooner. The choice is scored from the same positions as without fusion. Only where
   the losing choices' share of the gen's text is short (FUSE_MAX_EXTRA_TOKENS): they compute it for nothing.
   Scoring by ids goes before fusion (`plan_select`): fusion would save the forward over the next gen's prompt,
-  but every losing choice's child computes that prompt too. Except on an idle engine (`idle_fusion`: nothing
-  else running or queued, one instance's latency): there a forward costs about the same for 1 token as for a
-  couple of dozen (weight-read bound; 57 ms at 1-4 tokens, 69 at 16 on this CPU), so a select scored by ids
-  followed by a gen is fused too where all its children compute at most IDLE_FUSE_TOKENS, one forward per
-  select fewer (chain6, react_agent). Which way a select is scored never changes a decision or a token at
+  but every losing choice's child computes that prompt too. Except in a small forward (latency fusion,
+  `Continuation._latency_fusion`: nothing queued, so the children's forward holds only them and the running
+  requests' decode step): a forward costs about the same for 1 token as for a couple of dozen (weight-read
+  bound; 57 ms at 1-4 tokens, 69 at 16 on this CPU), so a select scored by ids followed by a gen is fused too
+  where the children's tokens and the running requests' fit LATENCY_FUSE_TOKENS: one forward fewer per such
+  select (chain6, react_agent at one instance), and no cost to the running requests, whose decode step mixes
+  into it as into the unfused select's. Which way a select is scored never changes a decision or a token at
   temperature 0 (fusion needs a greedy gen): only the forward count.
 When the parent goes on to its next call, the radix tree may already hold more of the new text than its own KV
 (an earlier request's, or the winning child's): it adopts that prefix (`CacheManager.adopt`) instead of
@@ -63,9 +65,9 @@ if TYPE_CHECKING:
 # Fusion saves one forward; on CPU a forward of this size of model costs about as much as a dozen prefill tokens
 # (judge's 5 choices x ' out of 5, because' cost more than they saved; chain6's 'yes'/'no' x '\nFact 2:' less).
 FUSE_MAX_EXTRA_TOKENS = 16
-# Latency fusion's budget (idle_fusion): the tokens a select's choice children may compute in the one forward that
-# replaces the select's own and the next gen's first; on CPU at batch 1 a forward of 24 tokens costs ~1.3x one of 1.
-IDLE_FUSE_TOKENS = 24
+# Latency fusion's budget: the tokens of the forward that replaces a select's own and the next gen's first (its choice
+# children's and the running requests' decode step); on CPU at batch 1 a forward of 24 tokens costs ~1.3x one of 1.
+LATENCY_FUSE_TOKENS = 24
 
 
 @dataclass
@@ -98,9 +100,9 @@ class Chain:
     # child's (prompt ids, sampled token); then the winner's, which the next gen starts from.
     fused: tuple[list[int], list] | None = None
     first: tuple[list[int], int] | None = None
-    # Latency fusion (idle_fusion) of the select running: its children go into one forward together, each
+    # Latency fusion (latency_fusion) of the select running: its children go into one forward together, each
     # computing the text after the parent's KV, rather than one waiting a step to share it (in-batch dedup).
-    fused_at_idle: bool = False
+    latency_fused: bool = False
 
 
 def select_params(start: int, token_ids: list[int]) -> SamplingParams:
@@ -155,26 +157,26 @@ class SelectPlan:
     by_ids: tuple[list[int], int, list[int]] | None = None
     prompts: list[list[int]] | None = None
     fused: list[list[int]] | None = None
-    at_idle: bool = False  # fused although scorable by ids (latency fusion)
+    latency: bool = False  # fused although scorable by ids (latency fusion)
 
 
 def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], limit: int,
-                idle_fusion: Callable[[list[list[int]]], bool] | None = None) -> SelectPlan | None:
+                latency_fusion: Callable[[list[list[int]]], bool] | None = None) -> SelectPlan | None:
     """How to score the select at `at` after `text` (encoded: `ids`); None: a choice's prompt reaches `limit`.
     Scoring by ids goes first (one request, one forward over the text's end), else the children, fused where
     fusion applies. Fusion would save the forward over the next gen's prompt but has every losing choice's child
     compute that prompt too: on run_batch of 32 react_agent instances it took prefill from 1,653 to 2,633 tokens
-    for 3 forwards fewer, slower on the CPU (benchmarks/compiler_bench.py). `idle_fusion` (given where the
-    engine is idle): whether fused children's prompts are cheap enough to fuse a select scored by ids too."""
+    for 3 forwards fewer, slower on the CPU (benchmarks/compiler_bench.py). `latency_fusion` (where nothing is
+    queued): whether fused children's prompts are cheap enough to fuse a select scored by ids too."""
     step = chain.steps[at]
     prompts = [tokenizer.encode(text + c) for c in step.choices]
     by_ids = single_tokens(ids, prompts, step)
     if max(map(len, prompts)) >= limit:
         return SelectPlan(by_ids=by_ids) if by_ids is not None else None
     fused = fused_prompts(tokenizer, chain, at, text, prompts, limit)
-    if by_ids is not None and (fused is None or idle_fusion is None or not idle_fusion(fused)):
+    if by_ids is not None and (fused is None or latency_fusion is None or not latency_fusion(fused)):
         return SelectPlan(by_ids=by_ids)
-    return SelectPlan(prompts=prompts, fused=fused, at_idle=by_ids is not None)
+    return SelectPlan(prompts=prompts, fused=fused, latency=by_ids is not None)
 
 
 def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
@@ -295,7 +297,7 @@ class Continuation:
         if len(ids) >= limit:
             chain.stopped_at = nxt_at
             return False
-        plan = (plan_select(s.tokenizer, chain, nxt_at, new_text, ids, limit, self._idle_fusion(r))
+        plan = (plan_select(s.tokenizer, chain, nxt_at, new_text, ids, limit, self._latency_fusion(r))
                 if step.choices is not None else None)
         if step.choices is not None and (plan is None or plan.by_ids is None):
             if plan is None:  # a choice's prompt is past the context
@@ -348,19 +350,21 @@ class Continuation:
             s.waiting.insert(0, r)
         return True
 
-    def _idle_fusion(self, r: Req) -> Callable[[list[list[int]]], bool] | None:
-        """Where nothing but r runs or waits (one instance's latency: the next forward is r's alone), the test of
-        latency fusion (module docstring): the fused children's prompts are cheap when the tokens they compute,
-        less r's KV and the tree's prefix, fit IDLE_FUSE_TOKENS. None on a busy engine."""
+    def _latency_fusion(self, r: Req) -> Callable[[list[list[int]]], bool] | None:
+        """Where nothing is queued (the next forward holds the children and the running requests' decode step),
+        the test of latency fusion (module docstring): the fused children's prompts are cheap when the tokens they
+        compute (less r's KV and the tree's prefix) plus the running requests' one each fit LATENCY_FUSE_TOKENS.
+        None where anything waits (a second branch's select, a new request): the forward would not be small."""
         s = self.s
-        if s.waiting or s.continuing or s.parked or s.chunked is not None or any(q is not r for q in s.running):
+        if s.waiting or s.continuing or s.parked or s.chunked is not None:
             return None
         own = r.fill_ids[:r.kv_done]
+        decodes = sum(q is not r for q in s.running)
 
         def cheap(prompts: list[list[int]]) -> bool:
             computed = sum(len(p) - max(_common_prefix(own, p), len(s.memory.tree.peek(p[:-1])))
                            for p in prompts)
-            return computed <= IDLE_FUSE_TOKENS
+            return computed + decodes <= LATENCY_FUSE_TOKENS
 
         return cheap
 
@@ -380,7 +384,7 @@ class Continuation:
         chain.choice_logprobs = [None] * len(prompts)
         start = max(len(ids) - 2, 0)
         params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=start)
-        chain.fused, chain.fused_at_idle = None, plan.at_idle
+        chain.fused, chain.latency_fused = None, plan.latency
         if fused is not None:  # each child goes on into the next call's prompt and samples its first token
             prompts, chain.fused = fused, ([len(p) - start for p in prompts], [None] * len(prompts))
             params = replace(chain.steps[at + 1].gen, max_new_tokens=1, return_logprob=True, logprob_start_len=start)

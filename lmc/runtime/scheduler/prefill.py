@@ -10,9 +10,9 @@ while the budgets hold (SGLang's PrefillAdder):
 - `max_running` requests, and a free slot-table row.
 In-batch prefix dedup (cache-aware policies): a request whose usable prefix (match_limit) another request of this
 batch, the chunked request's later chunks, or the prefill forward still in flight (overlap) is about to compute
-waits a step, then hits the cache; except the choice children of a select fused on an idle engine
-(continuation.py's latency fusion), whose point is the forward saved. A batch of short jump-forward extends carries the running requests'
-decode step too (mixing), so a jump costs no extra forward.
+waits a step, then hits the cache; except the choice children of a select's latency fusion (continuation.py),
+whose point is the forward saved. A batch of short jump-forward extends carries the running requests' decode
+step too (mixing), so a jump costs no extra forward.
 
 A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
 admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
@@ -198,8 +198,8 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         if sim is not None and sim.total_size:
             # only what r could take from the cache counts: positions whose logits r needs are recomputed anyway
             shared = min(len(sim.peek(r.fill_ids)), match_limit(s, r))
-            at_idle = r.parent is not None and r.parent.chain.fused_at_idle  # (a select's latency fusion)
-            if shared - matched >= IN_BATCH_DEPRIORITIZE and not at_idle:
+            fused = r.parent is not None and r.parent.chain.latency_fused  # (a select's latency fusion)
+            if shared - matched >= IN_BATCH_DEPRIORITIZE and not fused:
                 continue  # a request in this batch (or the forward in flight) computes it: share it next step
         ext = len(r.fill_ids) - matched
         chunk = ext > add.rem_chunk
