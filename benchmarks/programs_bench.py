@@ -50,7 +50,7 @@ def workloads():
 TARGETS = {"chain6": 0.6, "tree_of_thought": 0.8, "judge": 0.8, "react_agent": 0.8}
 
 
-ENGINE_COUNTS = ("forwards", "prefill_forwards", "decode_forwards", "computed_tokens")
+ENGINE_COUNTS = ("forwards", "prefill_forwards", "decode_forwards", "computed_tokens", "fused_selects")
 
 
 def engine_counts(ep) -> dict:
@@ -136,7 +136,10 @@ def main() -> None:
                    "computed tokens per instance, each way: decode steps are the same every way (the calls' "
                    "outputs), so they bound how far below 1 the ratio can go: forwards_ratio = compiled / "
                    "interpreted engine forwards per repetition, the time ratio if every forward cost the same and "
-                   "nothing else took time. Since commit 8c35d02 the server's connections have TCP_NODELAY: "
+                   "nothing else took time; fused_selects: selects fused with the gen after them (since commit "
+                   "58f5159 also a select scored by ids followed by a greedy gen, where the forward stays small: "
+                   "latency fusion, one forward fewer per select). "
+                   "Since commit 8c35d02 the server's connections have TCP_NODELAY: "
                    "before, every request on a kept-alive connection waited ~40 ms for a delayed ACK, which the "
                    "interpreted way paid once per call (earlier recordings include it). ratio compares two ways on "
                    "ONE server; "
