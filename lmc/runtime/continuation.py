@@ -161,20 +161,22 @@ class SelectPlan:
 
 
 def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], limit: int,
-                latency_fusion: Callable[[list[list[int]]], bool] | None = None) -> SelectPlan | None:
+                latency_fusion: Callable[[list[list[int]], int], bool] | None = None) -> SelectPlan | None:
     """How to score the select at `at` after `text` (encoded: `ids`); None: a choice's prompt reaches `limit`.
     Scoring by ids goes first (one request, one forward over the text's end), else the children, fused where
     fusion applies. Fusion would save the forward over the next gen's prompt but has every losing choice's child
     compute that prompt too: on run_batch of 32 react_agent instances it took prefill from 1,653 to 2,633 tokens
     for 3 forwards fewer, slower on the CPU (benchmarks/compiler_bench.py). `latency_fusion` (where nothing is
-    queued): whether fused children's prompts are cheap enough to fuse a select scored by ids too."""
+    queued): whether fused children's prompts (their prompt logprobs from a position) are cheap enough to fuse
+    a select scored by ids too."""
     step = chain.steps[at]
     prompts = [tokenizer.encode(text + c) for c in step.choices]
     by_ids = single_tokens(ids, prompts, step)
     if max(map(len, prompts)) >= limit:
         return SelectPlan(by_ids=by_ids) if by_ids is not None else None
     fused = fused_prompts(tokenizer, chain, at, text, prompts, limit)
-    if by_ids is not None and (fused is None or latency_fusion is None or not latency_fusion(fused)):
+    if by_ids is not None and (fused is None or latency_fusion is None
+                               or not latency_fusion(fused, max(len(ids) - 2, 0))):
         return SelectPlan(by_ids=by_ids)
     return SelectPlan(prompts=prompts, fused=fused, latency=by_ids is not None)
 
@@ -350,21 +352,23 @@ class Continuation:
             s.waiting.insert(0, r)
         return True
 
-    def _latency_fusion(self, r: Req) -> Callable[[list[list[int]]], bool] | None:
+    def _latency_fusion(self, r: Req) -> Callable[[list[list[int]], int], bool] | None:
         """Where nothing is queued (the next forward holds the children and the running requests' decode step),
-        the test of latency fusion (module docstring): the fused children's prompts are cheap when the tokens they
-        compute (less r's KV and the tree's prefix) plus the running requests' one each fit LATENCY_FUSE_TOKENS.
-        None where anything waits (a second branch's select, a new request): the forward would not be small."""
+        the test of latency fusion (module docstring): the fused children's prompts, with prompt logprobs from
+        `start`, are cheap when the tokens they compute plus the running requests' one each fit
+        LATENCY_FUSE_TOKENS. A child reuses r's KV or the tree's prefix only up to the position before its first
+        prompt logprob (prefill.match_limit). None where anything waits (a second branch's select, a new
+        request): the forward would not be small."""
         s = self.s
         if s.waiting or s.continuing or s.parked or s.chunked is not None:
             return None
         own = r.fill_ids[:r.kv_done]
         decodes = sum(q is not r for q in s.running)
 
-        def cheap(prompts: list[list[int]]) -> bool:
-            computed = sum(len(p) - max(_common_prefix(own, p), len(s.memory.tree.peek(p[:-1])))
-                           for p in prompts)
-            return computed + decodes <= LATENCY_FUSE_TOKENS
+        def cheap(prompts: list[list[int]], start: int) -> bool:
+            reused = (min(max(_common_prefix(own, p), len(s.memory.tree.peek(p))), max(start - 1, 0), len(p) - 1)
+                      for p in prompts)
+            return sum(len(p) for p in prompts) - sum(reused) + decodes <= LATENCY_FUSE_TOKENS
 
         return cheap
 
