@@ -1,10 +1,11 @@
 """POST /v1/programs against the real server (one per module, on the session engine): a static compiled instance
 is one HTTP request and gives what the interpreted program gives over RuntimeEndpoint at temperature 0; a program
 with a graph break makes one request per segment (none for a segment without model calls); bad programs get a 400 naming the problem while good calls go
-on; streaming; per-instance errors; the fallback to per-call execution on a server without the route; and the
+on; streaming (each variable as the engine produces it, then each instance's result); per-instance errors; the fallback to per-call execution on a server without the route; and the
 plan's program hints reaching the engine's requests (Req.program)."""
 import json
 import threading
+import time
 
 import pytest
 
@@ -111,7 +112,8 @@ def test_direct_call_many_instances_and_streaming(counted):
                       timeout=300) as s:
         events = [line[5:].strip() for line in s.iter_lines() if line.startswith("data:")]
     assert events[-1] == "[DONE]"
-    streamed = sorted((json.loads(e) for e in events[:-1]), key=lambda e: e["index"])
+    streamed = sorted((e for e in map(json.loads, events[:-1]) if e["object"] == "program.instance"),
+                      key=lambda e: e["index"])
     assert [e["variables"] for e in streamed] == [x["variables"] for x in out["instances"]]
     # the same program as graph JSON runs the same
     r = _post(srv, {**body, "program": graph_dict(g)})
@@ -317,3 +319,107 @@ def test_openai_backend_sends_the_hints(counted, server):
         ids = {b["nvext"]["agent_context"]["session_id"] for b in sent}
         assert len(ids) == 1 and sent[0]["nvext"]["agent_hints"]["osl"] == 3 * 6 + 3
         assert all("program" not in b for b in sent)
+
+
+@lmc.function
+def long_tail(s, topic):
+    """A short gen, then a long one: the first variable is known long before the instance ends."""
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("first", max_tokens=4, stop="\n")
+    s += "\nStory:" + lmc.gen("story", max_tokens=40, ignore_eos=True)
+
+
+def _events(srv, body) -> list[tuple[float, dict]]:
+    """The streamed call's events, each with the time it arrived, up to (and checking) the end marker."""
+    out = []
+    with httpx.stream("POST", srv.url + "/v1/programs", json={**body, "stream": True}, headers=HEADERS,
+                      timeout=300) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data:"):
+                out.append((time.perf_counter(), line[5:].strip()))
+    assert out[-1][1] == "[DONE]"
+    return [(t, json.loads(e)) for t, e in out[:-1]]
+
+
+def _by_instance(events) -> dict[int, list[dict]]:
+    per: dict[int, list[dict]] = {}
+    for _, e in events:
+        per.setdefault(e["index"], []).append(e)
+    return per
+
+
+def test_streaming_sends_each_variable_in_program_order_then_the_result(counted):
+    srv, _, _ = counted
+    body = {"program": print_graph(chain.compile().graph()), "arguments": [{"topic": "tea"}, {"topic": "salt"}],
+            "sampling": {"temperature": 0}}
+    plain = _post(srv, body).json()  # the non-streamed response is as before: instances only, no variable events
+    assert set(plain) == {"id", "object", "created", "program", "instances", "usage", "latency"}
+    assert plain["object"] == "program.run" and all("variable" not in x for x in plain["instances"])
+    per = _by_instance(_events(srv, body))
+    assert sorted(per) == [0, 1]
+    for i, evs in per.items():
+        *variables, result = evs
+        assert result["object"] == "program.instance" and result["error"] is None
+        assert all(e["object"] == "program.variable" for e in variables)
+        assert [e["variable"] for e in variables] == ["fact0", "true0", "fact1", "true1", "fact2", "true2"]
+        assert {e["variable"]: e["value"] for e in variables} == result["variables"] == plain["instances"][i]["variables"]
+        assert {e["variable"]: e["meta_info"] for e in variables} == result["meta_info"]
+        assert variables[0]["meta_info"]["completion_tokens"] > 0  # a gen's meta info, from the engine
+        assert result["usage"] == plain["instances"][i]["usage"]
+    # a fork's branches reach the instance at the join: their variable as one list, then what follows the join
+    body = {"program": print_graph(forked.compile().graph()), "arguments": [{"topic": "rivers"}],
+            "sampling": {"temperature": 0}}
+    *variables, result = _by_instance(_events(srv, body))[0]
+    assert [(e["variable"], type(e["value"])) for e in variables] == [("idea", list), ("best", str)]
+    assert {e["variable"]: e["value"] for e in variables} == result["variables"]
+
+
+def test_a_variable_streams_as_the_engine_produces_it(counted):
+    srv, _, _ = counted
+    body = {"program": print_graph(long_tail.compile().graph()), "arguments": [{"topic": "tea"}],
+            "sampling": {"temperature": 0}}
+    (t_first, first), (t_story, story), (t_end, result) = _events(srv, body)
+    assert (first["variable"], story["variable"], result["object"]) == ("first", "story", "program.instance")
+    assert result["meta_info"]["story"]["completion_tokens"] == 40
+    # the first variable came while the engine still decoded the 40 tokens of the second (buffered until the
+    # instance ended, it would come within a millisecond of the result)
+    assert t_end - t_first > 0.25, (t_first, t_story, t_end)
+    assert t_end - t_story < t_end - t_first
+
+
+def test_a_failing_instance_streams_its_error_while_another_streams_its_variables(counted):
+    srv, _, _ = counted
+    body = {"program": print_graph(chain.compile().graph()),
+            "arguments": [{"topic": "tea"}, {"topic": "word " * 20000}], "sampling": {"temperature": 0}}
+    per = _by_instance(_events(srv, body))
+    *variables, ok = per[0]
+    assert ok["error"] is None and [e["variable"] for e in variables][:2] == ["fact0", "true0"]
+    assert len(variables) == 6
+    (bad,) = per[1]  # it failed at its first call: no variable, its result names the error
+    assert bad["object"] == "program.instance" and "context length" in bad["error"]["message"]
+
+
+@lmc.function
+def runaway(s, topic):
+    """A short gen, then one that would decode for minutes unless aborted."""
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("first", max_tokens=4, stop="\n")
+    s += "\nStory:" + lmc.gen("story", max_tokens=1500, ignore_eos=True)
+
+
+def test_hanging_up_mid_stream_aborts_the_instance(counted, engine):
+    """A client that hangs up after the first variable's event has the instance's engine chain aborted: decoding
+    stops long before the 1500 tokens it asked for, and no KV slot stays owned."""
+    srv, _, _ = counted
+    before = engine.stats()
+    body = {"program": print_graph(runaway.compile().graph()), "arguments": [{"topic": "tea"}], "stream": True,
+            "sampling": {"temperature": 0}}
+    with httpx.stream("POST", srv.url + "/v1/programs", json=body, headers=HEADERS, timeout=300) as s:
+        first = next(json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:"))
+    assert first["object"] == "program.variable" and first["variable"] == "first"
+    deadline = time.monotonic() + 60
+    while (st := engine.stats())["running"] or st["waiting"]:
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+    assert st["aborted"] == before["aborted"] + 1
+    assert st["decode_forwards"] - before["decode_forwards"] < 300
+    assert st["free_slots"] + st["cached_slots"] == st["total_slots"]

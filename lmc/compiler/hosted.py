@@ -12,13 +12,15 @@ code and sends the next segment with that state (`states`).
     program = load_program(body["program"])          # ProgramRejected naming the problem
     check_program(program, limits, sampling, len(arguments))
     async for index, result in run_instances(program, arguments, backend, sampling): ...
+    async for index, item in run_instances(..., variables=True): ...  # also each variable as it is set
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from dataclasses import dataclass, fields
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..backend.usage import program_usage
 from ..frontend.program import resolve_defaults
@@ -283,8 +285,31 @@ def instance_result(plan: Plan, stream: Stream, brk: int | None) -> dict:
     return out
 
 
-async def _instance(plan: Plan, args: dict, backend, defaults: GenParams, state: dict | None) -> dict:
-    stream = Stream(backend, defaults)
+class _ReportingStream(Stream):
+    """An instance's stream that reports each variable as it is set: `on_var(name, value, meta)`, on the frontend
+    loop, as the executor (or an engine chain's replay, lmc.compiler.chain, as the engine streams each call's
+    result) sets it. Every variable a plan sets goes through `Stream.record` (gens, selects, sets, scopes, joins).
+    Its forks (`child`) are plain streams: a branch's variables reach the instance at the join."""
+
+    def __init__(self, backend, defaults: GenParams, on_var: Callable[[str, Any, Any], None]):
+        super().__init__(backend, defaults)
+        self.on_var = on_var
+
+    def record(self, op: int | None, values: dict[str, tuple]) -> None:
+        super().record(op, values)
+        for name, (value, meta) in values.items():
+            self.on_var(name, value, meta)
+
+
+def variable_event(name: str, value: Any, meta: Any) -> dict:
+    """What the server streams for one variable as it is set: its name, value and meta info (as in the
+    instance's result)."""
+    return {"variable": name, "value": _jsonable(value), "meta_info": _jsonable(meta)}
+
+
+async def _instance(plan: Plan, args: dict, backend, defaults: GenParams, state: dict | None,
+                    on_var: Callable[[str, Any, Any], None] | None) -> dict:
+    stream = Stream(backend, defaults) if on_var is None else _ReportingStream(backend, defaults, on_var)
     stream.history = {}
     if state:
         _restore(stream, state)
@@ -301,10 +326,13 @@ async def _instance(plan: Plan, args: dict, backend, defaults: GenParams, state:
 async def run_instances(program: ProgramGraph | Plan, arguments: list[dict], backend, defaults: GenParams,
                         states: list[dict] | None = None,
                         ops: dict[int, int] | None = None,
-                        hints: dict[int, NodeHints] | None = None) -> AsyncIterator[tuple[int, dict]]:
+                        hints: dict[int, NodeHints] | None = None,
+                        variables: bool = False) -> AsyncIterator[tuple[int, dict]]:
     """Run every instance at once on the frontend loop; yields (index, result) as each finishes. Errors are per
     instance (in its result's `error`). Closing the iterator cancels what is still running. `ops`: for a graph,
-    the body operation of each node (a plan's operations carry theirs); `hints`: a plan's program hints by node."""
+    the body operation of each node (a plan's operations carry theirs); `hints`: a plan's program hints by node.
+    `variables`: also yield (index, variable_event(...)) for each variable as the instance sets it, in the order
+    it sets them, all before its result (one queue carries both, in the order the frontend loop made them)."""
     if states is not None and len(states) != len(arguments):
         raise ProgramRejected(f"states: {len(states)} states for {len(arguments)} instances", "states")
     if isinstance(program, Plan):
@@ -313,22 +341,34 @@ async def run_instances(program: ProgramGraph | Plan, arguments: list[dict], bac
     else:
         program.op_of.update(ops or {})  # the body operation of each node, under which its values are recorded
         plan = local_plan(program, backend)
-    loop = frontend_loop()
+    loop, home = frontend_loop(), asyncio.get_running_loop()
     if (plan.batch_prefix and plan.graph is not None and len(arguments) > 1
             and not capabilities(backend).batch_prefix_sharing):
         prefix = constant_prefix(plan.graph, backend.chat_template, arguments)
         if prefix:  # prefilled once ahead of the instances (a hint: not awaited)
             asyncio.run_coroutine_threadsafe(backend.commit(prefix), loop)
-    futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-        _instance(plan, args, backend, defaults, states[i] if states else None), loop))
-        for i, args in enumerate(arguments)]
-    index = {f: i for i, f in enumerate(futures)}
-    pending = set(futures)
+    q: asyncio.Queue = asyncio.Queue()  # (index, variable event or the instance's finished future), from the loop
+
+    def put(i: int, item) -> None:
+        home.call_soon_threadsafe(q.put_nowait, (i, item))
+
+    def reporter(i: int):
+        return (lambda name, value, meta: put(i, variable_event(name, value, meta))) if variables else None
+
+    futures = []
+    for i, args in enumerate(arguments):
+        f = asyncio.run_coroutine_threadsafe(
+            _instance(plan, args, backend, defaults, states[i] if states else None, reporter(i)), loop)
+        f.add_done_callback(lambda f, i=i: put(i, f))  # on the frontend loop, after the instance's last variable
+        futures.append(f)
+    left = len(futures)
     try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for f in sorted(done, key=index.get):
-                yield index[f], f.result()
+        while left:
+            i, item = await q.get()
+            if isinstance(item, concurrent.futures.Future):
+                left -= 1
+                item = item.result()
+            yield i, item
     finally:
-        for f in pending:
+        for f in futures:
             f.cancel()

@@ -11,8 +11,22 @@ the client ran its host code; `ops` (for a graph; a plan's operations carry thei
 operations their values are recorded under (what the client's resumed trace reads, returned as `history`);
 `hints` (with a plan) its program hints by node (lmc.compiler.hints.table_json). The response holds each
 instance's variables, meta info, text, messages and usage (and `break` / `state` / `history` at a break), or, with
-`"stream": true`, one SSE event per instance as it finishes. Errors are per instance (`error`): one failing
-instance leaves the others standing.
+`"stream": true`, the same as server-sent events, each as it happens:
+
+    data: {"id": "prog-…", "object": "program.variable", "created": …, "program": "chain", "index": 0,
+           "variable": "fact0", "value": " Tea is …", "meta_info": {…}}        (each variable, as it is set)
+    data: {"id": "prog-…", "object": "program.instance", "created": …, "program": "chain", "index": 0,
+           "variables": {…}, "meta_info": {…}, "text": …, "messages": […], "usage": {…}, "break": …,
+           "state": {…}, "history": {…}, "error": …}                        (the instance's result, as it ends)
+    data: [DONE]                                                            (after every instance's result)
+
+A variable's event comes from the engine as it produces it (an engine chain streams each call's result as the
+call ends: lmc.runtime.continuation), not when the instance ends. An instance's variable events come in the
+order it sets them (program order; a fork's branches reach it at the join, as lists), all before its result;
+events of different instances interleave. `meta_info` is the variable's as in the result (a gen's finish
+reason and token counts, a select's logprobs; null for a set or a scope). An instance that fails streams the
+variables it set, then its result with `error`. Errors are per instance (`error`): one failing instance leaves
+the others standing.
 A program the server will not run is a 400 naming the node or the limit (compiler.hosted.ProgramLimits).
 Nothing a program holds is code (compiler.hosted).
 """
@@ -86,13 +100,15 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
         svc.admit(len(arguments))
         pid, created, start = f"prog-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
         head = {"id": pid, "object": "program.instance", "created": created, "program": program_name(program)}
-        runs = run_instances(program, arguments, be, defaults, states, ops, hints)
+        streamed = bool(body.get("stream"))
+        runs = run_instances(program, arguments, be, defaults, states, ops, hints, variables=streamed)
 
-        if body.get("stream"):
+        if streamed:
             async def events():
                 try:
-                    async for i, result in runs:
-                        yield sse({**head, "index": i, **result})
+                    async for i, item in runs:
+                        kind = "program.variable" if "variable" in item else "program.instance"
+                        yield sse({**head, "object": kind, "index": i, **item})
                 except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
                     log.exception("a streamed program failed")
                     yield sse(error_body(500, f"{type(e).__name__}: {e}", "server_error"))
