@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.launch import counters, grid_dependency, pdl_args
+
 _LOG2E = 1.4426950408889634
 
 # Decode split-K sizing: aim for about two waves over an H200's 132 SMs, never
@@ -30,6 +32,9 @@ _DECODE_MAX_SPLITS = 64
 # Query heads of one KV group are padded to 16 rows, the smallest M that tl.dot
 # accepts on tensor cores.
 _DECODE_MIN_BLOCK_H = 16
+# Split decode without a shared prefix merges its splits in stage 1 (the last split of a request's KV head to
+# finish merges them) instead of in a stage-2 launch: a switch for benchmarks/gpu_step_ab.py's A/B.
+MERGE_IN_STAGE1 = True
 
 
 def _extend_config(row_bytes: int, max_extend_len: int):
@@ -95,14 +100,33 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d, d_mask,
+                      stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Fold keys [start, end) of KV head kv_h (slots from the table row `slot_row`) into the online softmax of the
+    query tile q [M, D], BLOCK_N keys a step, the last step masked: the decode kernels' key loop."""
+    for n_start in range(start, end, BLOCK_N):
+        k_pos = n_start + offs_n
+        n_mask = k_pos < end
+        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, O, ReqToToken, Rows, PrefixLens, ExtendLens, ExtendStart,
     qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
@@ -174,17 +198,20 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
+    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O, Counters,
     qk_scale, kv_start, KvStartPtr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
     [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
-    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
+    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead.
+    MERGE (split, no prefix): each non-empty split counts itself in Counters[b, kv_h] (zero between launches);
+    the last to count merges the request's splits for the group's heads, as stage 2 would, and resets it."""
+    grid_dependency(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -219,18 +246,8 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n_start in range(start, end, BLOCK_N):
-        k_pos = n_start + offs_n
-        n_mask = k_pos < end
-        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      d_mask, stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N, IEEE)
 
     if NUM_SPLITS == 1 and not HAS_PREFIX:  # the whole sequence: the output itself, and no stage 2
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -244,6 +261,33 @@ def _decode_stage1_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
         )
         tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+        if MERGE:
+            valid = tl.cdiv(seq_len, split_len)  # the non-empty splits: 0 .. valid - 1
+            count = Counters + b * tl.num_programs(1) + kv_h
+            # acq_rel: this split's partial is visible before its count, and the last split sees every partial.
+            if tl.atomic_add(count, 1, sem="acq_rel") == valid - 1:
+                offs_s = tl.arange(0, BLOCK_S)
+                for g in tl.static_range(GROUP):
+                    _merge_splits(PartAcc, PartLse, O, b, kv_h * GROUP + g, offs_s < valid, offs_s, offs_d, d_mask,
+                                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh)
+                tl.atomic_xchg(count, 0)
+
+
+@triton.jit
+def _merge_splits(PartAcc, PartLse, O, b, h, s_mask, offs_s, offs_d, d_mask,
+                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh):
+    """O[b, h] from the normalized partials and log2-sum-exps of request b's splits `s_mask` of head h:
+    each split reweighted by exp2(lse - max lse). Loads bypass L1 (.cg): other programs of a launch may have
+    written them (stage 1's merge)."""
+    lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    part = tl.load(
+        PartAcc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg",
+    )
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -254,13 +298,14 @@ def _decode_prefix_kernel(
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
     PREFIX_PTR: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The keys [0, prefix_len) that every request of the batch shares slot for slot: program (t, kv_h, split)
     takes BLOCK_Q of the batch's B x GROUP query rows of KV head kv_h (row r: request r // GROUP, head
     kv_h GROUP + r % GROUP) against split `split` of the prefix, so each K/V tile is read once per BLOCK_Q
     queries of the whole batch instead of once per request. Its normalized partial and log2-sum-exp go to
     split NUM_SPLITS + split of the stage-1 scratch; stage 2 merges them with the requests' own keys."""
+    grid_dependency(PDL)
     t = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -286,16 +331,8 @@ def _decode_prefix_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for n_start in range(start, end, BLOCK_N):
-        k_pos = n_start + offs_n
-        n_mask = k_pos < end
-        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      d_mask, stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N, IEEE)
 
     s = NUM_SPLITS + split
     tl.store(PartAcc + req[:, None] * stride_pab + heads[:, None] * stride_pah + s * stride_pas + offs_d[None, :],
@@ -309,9 +346,11 @@ def _decode_stage2_kernel(
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_PTR: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merges request b's NUM_SPLITS stage-1 splits of keys [kv_start, seq_len) and the PREFIX_SPLITS splits of
     the shared prefix [0, kv_start) that follow them (none without a shared prefix)."""
+    grid_dependency(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -329,15 +368,8 @@ def _decode_stage2_kernel(
         p = offs_s - NUM_SPLITS
         s_mask = s_mask | ((p >= 0) & (p < PREFIX_SPLITS) & (p * prefix_split_len < kv_start))
     d_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
-    part = tl.load(
-        PartAcc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
-    )
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+    _merge_splits(PartAcc, PartLse, O, b, h, s_mask, offs_s, offs_d, d_mask,
+                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh)
 
 
 def _check_inputs(q, k_buf, v_buf, req_to_token):
@@ -397,7 +429,7 @@ def extend_attention(
         o.stride(0), o.stride(1), req_to_token.stride(0),
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     return o
 
@@ -448,7 +480,9 @@ def decode_attention(
     normalized output and log-sum-exp to fp32 scratch. Stage 2 merges the
     splits per (request, query head). With one split (a batch of enough
     requests to fill the GPU unsplit) stage 1 writes the output and stage 2
-    does not run. With a shared prefix, stage 1 covers each request's own keys
+    does not run; with several splits and no shared prefix the last split of
+    each (request, KV head) to finish merges them (MERGE_IN_STAGE1), and
+    stage 2 does not run either. With a shared prefix, stage 1 covers each request's own keys
     [P, seq_len) only, and _decode_prefix_kernel the prefix, once for the
     whole batch (the cascade: a 1,200-token prompt shared by 128 requests is
     read once a layer instead of 128 times); stage 2 merges both.
@@ -498,21 +532,23 @@ def decode_attention(
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
             PREFIX_PTR=on_device, BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-            num_warps=prefix_warps, num_stages=prefix_stages,
+            num_warps=prefix_warps, num_stages=prefix_stages, **pdl_args(q),
         )
+    merge = MERGE_IN_STAGE1 and num_splits > 1 and not prefix_splits
+    count = counters(q.device, batch * num_kv_heads) if merge else seq_lens  # seq_lens: unused
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o, count,
         sm_scale * _LOG2E, prefix_arg, prefix_ptr,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
-        BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages,
+        MERGE=merge, BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
-    if parts == 1:
+    if parts == 1 or merge:
         return o
     _decode_stage2_kernel[(batch, num_heads)](
         part_acc, part_lse, o, seq_lens, prefix_arg, prefix_ptr,
@@ -520,6 +556,6 @@ def decode_attention(
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, PREFIX_PTR=on_device,
         BLOCK_S=triton.next_power_of_2(parts), BLOCK_N=block_n, PREFIX_BLOCK_N=prefix_block_n, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **pdl_args(q),
     )
     return o
