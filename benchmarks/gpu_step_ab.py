@@ -1,6 +1,6 @@
-"""A/B of the decode step's launch-level variants on the GPU, in one engine per shape (dummy weights, bf16):
-programmatic dependent launch (kernels/launch.py: PDL, with or without the skinny GEMM's L2 prefetch of its first
-weight tiles before it waits) and decode stage 1 merging its own splits (attention/triton_kernels.MERGE_IN_STAGE1).
+"""A/B of decode-step variants on the GPU, in one engine per shape (dummy weights, bf16): programmatic dependent
+launch of the Triton kernels (kernels/launch.py) on and off, and decode stage 1's key tile when few programs run
+(attention/triton_kernels._decode_block_n: 128 keys for bf16 D=128, against 64).
 
 Each variant gets its own CUDA graphs (captured with its switches set); the variants then alternate, `--rounds`
 times: the decode graph of each bucket replayed alone (ms, CUDA events), wall ms per decode step as gpu_bench
@@ -27,20 +27,16 @@ from record import finish, provenance, spread  # noqa: E402
 
 from lmc.runtime import Engine  # noqa: E402
 from lmc.runtime.attention import triton_kernels  # noqa: E402
-from lmc.runtime.kernels import launch, skinny_gemm  # noqa: E402
+from lmc.runtime.kernels import launch  # noqa: E402
 
-# name -> (PDL, skinny GEMM prefetch columns, merge in stage 1)
-VARIANTS = {
-    "base": (False, 0, False),
-    "merge": (False, 0, True),
-    "pdl": (True, 0, True),
-    "pdl_prefetch512": (True, 512, True),
-    "pdl_prefetch1024": (True, 1024, True),
-}
+_BLOCK_N = triton_kernels._decode_block_n
+# name -> (PDL, stage 1's key tile for few programs: None = _decode_block_n's)
+VARIANTS = {"base": (False, None), "pdl": (True, None), "pdl_bn64": (True, 64)}
 
 
 def set_variant(name: str) -> None:
-    launch.ENABLED, skinny_gemm.PREFETCH_K, triton_kernels.MERGE_IN_STAGE1 = VARIANTS[name]
+    launch.ENABLED, block_n = VARIANTS[name]
+    triton_kernels._decode_block_n = _BLOCK_N if block_n is None else (lambda row_bytes, n=block_n: n)
 
 
 def gen(eng, ids, n):
@@ -83,6 +79,9 @@ def run_shape(shape, args, dev, dtype, res, save):
     vocab = eng.runner.cfg.vocab_size
     batches = [b for b in args.batches if b <= args.max_bs]
     prompts = {b: torch.randint(3, vocab, (b, args.prompt_len), generator=g).tolist() for b in batches}
+    if args.long_prompt:  # batch 1 at a long context: the split decode's other regime
+        prompts["1@long"] = torch.randint(3, vocab, (1, args.long_prompt), generator=g).tolist()
+        batches.append("1@long")
     few = None
     if args.few_shot and shape == "llama-2-7b":
         prefix = torch.randint(3, vocab, (1200,), generator=g).tolist()
@@ -96,7 +95,8 @@ def run_shape(shape, args, dev, dtype, res, save):
             graphs[name] = eng.runner.graphs = DecodeGraphs(eng.runner, args.max_bs) if dev.type == "cuda" else None
             v = out["variants"][name] = {"replay_ms": {b: [] for b in batches}, "step_ms": {b: [] for b in batches},
                                          "few_shot_programs_s": []}
-            v["tokens"] = [r["output_ids"] for r in gen(eng, prompts[batches[-1]][:8], 24)]
+            v["tokens"] = [r["output_ids"] for r in gen(eng, prompts[max(b for b in batches if isinstance(b, int))][:8],
+                                                        24)]
             for b in batches:
                 gen(eng, prompts[b], 3)
             if few:
@@ -111,9 +111,10 @@ def run_shape(shape, args, dev, dtype, res, save):
                 v = out["variants"][name]
                 for b in batches:
                     gen(eng, prompts[b], 2)  # the bucket's static buffers hold a real step of this batch
-                    v["replay_ms"][b].append(replay_ms(eng, b, dev) if dev.type == "cuda" else None)
+                    bucket = len(prompts[b])
+                    v["replay_ms"][b].append(replay_ms(eng, bucket, dev) if dev.type == "cuda" else None)
                     v["step_ms"][b].append(step_ms(eng, prompts[b], args.steps, dev))
-                if few:
+                for _ in range(2 if few else 0):
                     eng.flush_cache()
                     v["few_shot_programs_s"].append(len(few) / time_call(lambda: gen(eng, few, 8), dev))
             save()
@@ -137,7 +138,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="llama-2-7b,llama-3-8b")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--long-prompt", type=int, default=3000, help="also batch 1 at this prompt length (0: not)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -151,10 +153,11 @@ def main():
     if args.smoke:
         dev, dtype, shapes = torch.device("cpu"), "float32", ["tiny"]
         args.batches, args.steps, args.prompt_len, args.kv_tokens, args.rounds = [1, 4], 3, 16, 4096, 2
+        args.long_prompt = 100
     else:
         dev, dtype, shapes = torch.device("cuda"), "bfloat16", args.shapes.split(",")
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "variants": {k: dict(zip(("pdl", "prefetch_k", "merge_in_stage1"), v)) for k, v in VARIANTS.items()},
+           "variants": {k: dict(zip(("pdl", "stage1_block_n_few_programs"), v)) for k, v in VARIANTS.items()},
            "shapes": {}}
     prov = provenance("benchmarks/gpu_step_ab.py", "probe: the decode step's launch variants, alternating")
 

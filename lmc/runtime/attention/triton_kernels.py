@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.launch import counters, grid_dependency, pdl_args
+from ..kernels.launch import grid_dependency, pdl_args
 
 _LOG2E = 1.4426950408889634
 
@@ -32,9 +32,6 @@ _DECODE_MAX_SPLITS = 64
 # Query heads of one KV group are padded to 16 rows, the smallest M that tl.dot
 # accepts on tensor cores.
 _DECODE_MIN_BLOCK_H = 16
-# Split decode without a shared prefix merges its splits in stage 1 (the last split of a request's KV head to
-# finish merges them) instead of in a stage-2 launch: a switch for benchmarks/gpu_step_ab.py's A/B.
-MERGE_IN_STAGE1 = True
 
 
 def _extend_config(row_bytes: int, max_extend_len: int):
@@ -198,19 +195,17 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O, Counters,
+    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
     qk_scale, kv_start, KvStartPtr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    PREFIX_PTR: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
     [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
-    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead.
-    MERGE (split, no prefix): each non-empty split counts itself in Counters[b, kv_h] (zero between launches);
-    the last to count merges the request's splits for the group's heads, as stage 2 would, and resets it."""
+    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
     grid_dependency(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -261,33 +256,6 @@ def _decode_stage1_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
         )
         tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            valid = tl.cdiv(seq_len, split_len)  # the non-empty splits: 0 .. valid - 1
-            count = Counters + b * tl.num_programs(1) + kv_h
-            # acq_rel: this split's partial is visible before its count, and the last split sees every partial.
-            if tl.atomic_add(count, 1, sem="acq_rel") == valid - 1:
-                offs_s = tl.arange(0, BLOCK_S)
-                for g in tl.static_range(GROUP):
-                    _merge_splits(PartAcc, PartLse, O, b, kv_h * GROUP + g, offs_s < valid, offs_s, offs_d, d_mask,
-                                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh)
-                tl.atomic_xchg(count, 0)
-
-
-@triton.jit
-def _merge_splits(PartAcc, PartLse, O, b, h, s_mask, offs_s, offs_d, d_mask,
-                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh):
-    """O[b, h] from the normalized partials and log2-sum-exps of request b's splits `s_mask` of head h:
-    each split reweighted by exp2(lse - max lse). Loads bypass L1 (.cg): other programs of a launch may have
-    written them (stage 1's merge)."""
-    lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=".cg")
-    part = tl.load(
-        PartAcc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg",
-    )
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -368,8 +336,15 @@ def _decode_stage2_kernel(
         p = offs_s - NUM_SPLITS
         s_mask = s_mask | ((p >= 0) & (p < PREFIX_SPLITS) & (p * prefix_split_len < kv_start))
     d_mask = offs_d < HEAD_DIM
-    _merge_splits(PartAcc, PartLse, O, b, h, s_mask, offs_s, offs_d, d_mask,
-                  stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh)
+
+    lse = tl.load(PartLse + b * stride_plb + h * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    part = tl.load(
+        PartAcc + b * stride_pab + h * stride_pah + offs_s[:, None] * stride_pas + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 
 def _check_inputs(q, k_buf, v_buf, req_to_token):
@@ -480,9 +455,7 @@ def decode_attention(
     normalized output and log-sum-exp to fp32 scratch. Stage 2 merges the
     splits per (request, query head). With one split (a batch of enough
     requests to fill the GPU unsplit) stage 1 writes the output and stage 2
-    does not run; with several splits and no shared prefix the last split of
-    each (request, KV head) to finish merges them (MERGE_IN_STAGE1), and
-    stage 2 does not run either. With a shared prefix, stage 1 covers each request's own keys
+    does not run. With a shared prefix, stage 1 covers each request's own keys
     [P, seq_len) only, and _decode_prefix_kernel the prefix, once for the
     whole batch (the cascade: a 1,200-token prompt shared by 128 requests is
     read once a layer instead of 128 times); stage 2 merges both.
@@ -534,21 +507,19 @@ def decode_attention(
             PREFIX_PTR=on_device, BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
             num_warps=prefix_warps, num_stages=prefix_stages, **pdl_args(q),
         )
-    merge = MERGE_IN_STAGE1 and num_splits > 1 and not prefix_splits
-    count = counters(q.device, batch * num_kv_heads) if merge else seq_lens  # seq_lens: unused
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o, count,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
         sm_scale * _LOG2E, prefix_arg, prefix_ptr,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
-        MERGE=merge, BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
+        BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q),
     )
-    if parts == 1 or merge:
+    if parts == 1:
         return o
     _decode_stage2_kernel[(batch, num_heads)](
         part_acc, part_lse, o, seq_lens, prefix_arg, prefix_ptr,

@@ -1,15 +1,16 @@
-"""What the forward's Triton kernels share at launch: programmatic dependent launch (PDL) on Hopper, and the
-zeroed int32 counters that a kernel's programs count themselves in (split-K GEMM tiles, decode splits).
+"""Programmatic dependent launch (PDL) on Hopper for the forward's Triton kernels.
 
 PDL: a kernel launched with `launch_pdl` may start while the kernel before it in the stream still runs; it must
 execute `griddepcontrol.wait` (gdc_wait) before it touches anything that kernel writes or reads. Every kernel here
 calls `grid_dependency` first thing, before any load or store of activations and before any early return: an early
 return before the wait would let the kernel after it start before the one before it finished, since the wait is
 what orders them transitively. The call also signals the next kernel that it may launch (its programs then wait at
-their own gdc_wait). What a kernel reads that no kernel writes (weights) it may fetch before the wait: the skinny
-GEMM prefetches the first of its weight tiles into L2 there, so a decode step's weight stream starts while the
-small kernels before each GEMM (norm, rotary, attention, SiLU-mul) leave the memory bus idle. Kernels launched
-without PDL (cuBLAS, torch's) order as usual; a PDL kernel after one waits for it at its gdc_wait.
+their own gdc_wait), so the next kernel's launch and start overlap this one's run: on the H200 a decode step's
+CUDA graph replayed in 3.98 ms against 4.05 without PDL (llama-2-7b, batch 1; 4.38 against 4.47 at batch 8;
+benchmarks/gpu_step_ab.py, results/h200_probe/step_ab.json). Prefetching the skinny GEMM's first weight columns into
+L2 before its wait measured slower (4.07 / 4.20 ms with 512 / 1024 columns), and so did merging split decode in
+stage 1 by its last split on llama-3-8b (4.68 against 4.56 ms: its 4 heads' merges serialized in one program).
+Kernels launched without PDL (cuBLAS, torch's) order as usual; a PDL kernel after one waits for it at its gdc_wait.
 
 Off the GPU (the interpreter) and before Hopper, PDL is off: the flag is a constexpr, so its branch compiles away.
 """
@@ -49,27 +50,3 @@ def grid_dependency(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Fetch the 128-byte lines at `ptrs` into L2 (no registers written, no fault past an allocation's end is
-    relied on: callers clamp their pointers in bounds). GPU only (inline PTX)."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 zeros on `device`, shared by every kernel that counts its programs: each such kernel sets
-    the counters it used back to 0 before it ends, and kernels run in stream order, so one buffer serves all.
-    Allocated (or grown) on first use, which is a warm-up forward before any CUDA-graph capture
-    (cuda_graph.DecodeGraphs), so captured graphs and later launches share it."""
-    c = _counters.get(device)
-    if c is None or c.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kernel counters must be allocated by a warm-up run before a CUDA-graph capture")
-        c = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c

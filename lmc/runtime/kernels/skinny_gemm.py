@@ -19,33 +19,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import counters, grid_dependency, pdl_args, prefetch_l2
+from .launch import grid_dependency, pdl_args
 
 MAX_M = 64
-# Under PDL (launch.py), the K columns of its weight rows that each program prefetches into L2 before it waits for
-# the kernel before it (at most its whole K range). 0: no prefetch.
-PREFETCH_K = 512
 
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                        LINE: tl.constexpr):
+                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
-    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe).
-    PDL: the first PREFETCH columns of the program's weight rows (LINE elements a 128-byte line) go to L2 before
-    the wait for the previous kernel, which produced X."""
+    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe)."""
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if PDL and PREFETCH > 0:
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        cols = tl.minimum(pid_s * K_SPLIT + tl.arange(0, PREFETCH // LINE) * LINE, K - 1)
-        prefetch_l2(W + rows[:, None] * stride_wn + cols[None, :])
-    grid_dependency(PDL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -121,6 +111,21 @@ def config_for(m: int, n: int, k: int) -> tuple[int, ...] | None:
     return CONFIGS.get((_block_m(m), n, k))
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tile counters of `device`: zeros, kept zero by the kernel itself. Allocated (or grown) on first
+    use, which is a warm-up forward before any CUDA-graph capture (cuda_graph.DecodeGraphs), so a captured graph
+    and every later launch share the same buffer."""
+    c = _counters.get(device)
+    if c is None or c.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemm's split-K counters must be allocated by a warm-up run before capture")
+        c = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
@@ -144,13 +149,11 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> to
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
         if split > 1:
             parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-            tiles = counters(x.device, grid[0] * grid[1])
+            counters = _tile_counters(x.device, grid[0] * grid[1])
         else:
-            parts = tiles = y  # unused
-        line = 128 // w.element_size()  # elements per 128-byte line
-        prefetch = max(line, min(PREFETCH_K, triton.next_power_of_2(k_split))) if PREFETCH_K else 0
-        _skinny_gemm_kernel[grid](x2, w, y, parts, tiles, m, n, k, k_split, x2.stride(0), w.stride(0),
+            parts = counters = y  # unused
+        _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                   EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
-                                  PREFETCH=prefetch, LINE=line, num_warps=warps, num_stages=stages, **pdl_args(x))
+                                  num_warps=warps, num_stages=stages, **pdl_args(x))
     return y.view(*x.shape[:-1], n)
