@@ -22,16 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-# LMC_PDL=0 turns PDL off (an A/B switch: benchmarks/gpu_step_ab.py); read at each launch, so graphs captured
-# after a change take the new value.
-ENABLED = os.environ.get("LMC_PDL", "1") != "0"
+# Where kernels launch with PDL: "on" (everywhere), "graphs" (only inside a CUDA-graph capture: the decode step),
+# "off". LMC_PDL sets it (an A/B switch: benchmarks/gpu_step_ab.py); read at each launch, so graphs captured after
+# a change take the new value.
+MODE = os.environ.get("LMC_PDL", "on")
 
 _hopper: dict[int, bool] = {}
 
 
 def pdl(x: torch.Tensor) -> bool:
-    """Whether kernels over x (a CUDA tensor, else False) launch with PDL: sm_90 and later, ENABLED."""
-    if not (ENABLED and x.is_cuda):
+    """Whether a kernel over x (a CUDA tensor, else False) launches with PDL now: sm_90 and later, as MODE says."""
+    if MODE == "off" or not x.is_cuda or (MODE == "graphs" and not torch.cuda.is_current_stream_capturing()):
         return False
     idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if idx not in _hopper:
