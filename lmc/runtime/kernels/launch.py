@@ -5,11 +5,13 @@ execute `griddepcontrol.wait` (gdc_wait) before it touches anything that kernel 
 calls `grid_dependency` first thing, before any load or store of activations and before any early return: an early
 return before the wait would let the kernel after it start before the one before it finished, since the wait is
 what orders them transitively. The call also signals the next kernel that it may launch (its programs then wait at
-their own gdc_wait), so the next kernel's launch and start overlap this one's run: on the H200 a decode step's
-CUDA graph replayed in 3.98 ms against 4.05 without PDL (llama-2-7b, batch 1; 4.38 against 4.47 at batch 8;
-benchmarks/gpu_step_ab.py, results/h200_probe/step_ab.json). Prefetching the skinny GEMM's first weight columns into
-L2 before its wait measured slower (4.07 / 4.20 ms with 512 / 1024 columns), and so did merging split decode in
-stage 1 by its last split on llama-3-8b (4.68 against 4.56 ms: its 4 heads' merges serialized in one program).
+their own gdc_wait), so the next kernel's launch and start overlap this one's run. On the H200 a decode step's CUDA
+graph replayed in 3.89 ms against 4.05 without PDL (llama-2-7b, batch 1), 4.39 against 4.46 (batch 8), 4.33
+against 4.43 (batch 1 at 3,000 tokens), 4.44 against 4.55 (llama-3-8b, batch 1); batch 64, whose GEMMs are
+cuBLAS's, is unchanged (benchmarks/gpu_step_ab.py, results/h200_probe/step_ab2.json). Tried and dropped
+(results/h200_probe/step_ab.json): the skinny GEMM prefetching its first 512 or 1024 weight columns into L2 before
+its wait (4.07 / 4.20 ms against 3.98), and split decode merged in stage 1 by its last split instead of a stage-2
+launch (llama-3-8b batch 1: 4.68 against 4.56 ms, its four heads' merges serialized in one program).
 Kernels launched without PDL (cuBLAS, torch's) order as usual; a PDL kernel after one waits for it at its gdc_wait.
 
 Off the GPU (the interpreter) and before Hopper, PDL is off: the flag is a constexpr, so its branch compiles away.
