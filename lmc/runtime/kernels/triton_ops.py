@@ -4,7 +4,8 @@ most (reduction order, exp/rsqrt implementations), not by a re-association of bf
 
 Invariants: inputs are row-major with unit stride in the last dim; outputs are fresh contiguous tensors (except
 the residual stream `h`, also fresh). One program handles one token row (or one block of a row for SiLU-mul), so
-the launch grid scales with the token count and a decode step is one small launch per op.
+the launch grid scales with the token count and a decode step is one small launch per op. Each kernel starts with
+launch.grid_dependency: on Hopper they launch with programmatic dependent launch (launch.py).
 
 The launch wrappers are excluded from torch.compile (dynamo cannot trace their grid arithmetic over symbolic
 shapes): a compiled forward on the GPU calls them eagerly between its graphs, as it calls attention.
