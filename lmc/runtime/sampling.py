@@ -124,7 +124,6 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B, 1] fp32
     min_p: torch.Tensor  # [B, 1] fp32
     greedy: torch.Tensor  # [B] bool
-    all_greedy: bool
     any_greedy: bool
     any_filter: bool  # some row has a top-k, top-p or min-p limit
     # [3, S] of the S seeded requests that sample (not greedy): their rows, output positions and folded seeds;
@@ -145,8 +144,8 @@ class SamplingBatch:
             seeded_dev = torch.tensor([seeded, [len(reqs[i].output_ids) for i in seeded],
                                        [_seed_key(reqs[i].params.seed) for i in seeded]]).to(device, non_blocking=True)
         return cls(temperature=dev[:, 0:1].float(), top_k=dev[:, 1:2], top_p=dev[:, 2:3].float(),
-                   min_p=dev[:, 3:4].float(), greedy=dev[:, 4] > 0, all_greedy=n_greedy == len(reqs),
-                   any_greedy=n_greedy > 0, any_filter=any_filter, seeded=seeded_dev)
+                   min_p=dev[:, 3:4].float(), greedy=dev[:, 4] > 0, any_greedy=n_greedy > 0, any_filter=any_filter,
+                   seeded=seeded_dev)
 
 
 def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -179,9 +178,9 @@ def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> t
     _penalize(logits, reqs)
     _ban_until_min_tokens(logits, reqs, eos_ids)
     _bias(logits, reqs)
-    sb = SamplingBatch.build(reqs, logits.shape[1], logits.device)
-    if sb.all_greedy:
+    if all(r.params.greedy for r in reqs):  # before build: a greedy batch needs none of its device tensors
         return _argmax(logits)
+    sb = SamplingBatch.build(reqs, logits.shape[1], logits.device)
     probs = torch.softmax(logits / sb.temperature, dim=-1)
     if sb.any_filter:
         probs = _filter(probs, sb)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.launch import grid_dependency, pdl_args
+
 _LOG2E = 1.4426950408889634
 
 # Decode split-K sizing: aim for about two waves over an H200's 132 SMs, never
@@ -95,14 +97,33 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d, d_mask,
+                      stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Fold keys [start, end) of KV head kv_h (slots from the table row `slot_row`) into the online softmax of the
+    query tile q [M, D], BLOCK_N keys a step, the last step masked: the decode kernels' key loop."""
+    for n_start in range(start, end, BLOCK_N):
+        k_pos = n_start + offs_n
+        n_mask = k_pos < end
+        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, O, ReqToToken, Rows, PrefixLens, ExtendLens, ExtendStart,
     qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
@@ -180,11 +201,12 @@ def _decode_stage1_kernel(
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
     PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
     [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
     PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
+    grid_dependency(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -219,18 +241,8 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n_start in range(start, end, BLOCK_N):
-        k_pos = n_start + offs_n
-        n_mask = k_pos < end
-        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      d_mask, stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N, IEEE)
 
     if NUM_SPLITS == 1 and not HAS_PREFIX:  # the whole sequence: the output itself, and no stage 2
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -254,13 +266,14 @@ def _decode_prefix_kernel(
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
     PREFIX_PTR: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The keys [0, prefix_len) that every request of the batch shares slot for slot: program (t, kv_h, split)
     takes BLOCK_Q of the batch's B x GROUP query rows of KV head kv_h (row r: request r // GROUP, head
     kv_h GROUP + r % GROUP) against split `split` of the prefix, so each K/V tile is read once per BLOCK_Q
     queries of the whole batch instead of once per request. Its normalized partial and log2-sum-exp go to
     split NUM_SPLITS + split of the stage-1 scratch; stage 2 merges them with the requests' own keys."""
+    grid_dependency(PDL)
     t = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -286,16 +299,8 @@ def _decode_prefix_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for n_start in range(start, end, BLOCK_N):
-        k_pos = n_start + offs_n
-        n_mask = k_pos < end
-        slots = tl.load(slot_row + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    m_i, l_i, acc = _attend_key_range(q, K, V, slot_row, kv_h, start, end, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      d_mask, stride_kn, stride_kh, stride_vn, stride_vh, BLOCK_N, IEEE)
 
     s = NUM_SPLITS + split
     tl.store(PartAcc + req[:, None] * stride_pab + heads[:, None] * stride_pah + s * stride_pas + offs_d[None, :],
@@ -309,9 +314,11 @@ def _decode_stage2_kernel(
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, PREFIX_PTR: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merges request b's NUM_SPLITS stage-1 splits of keys [kv_start, seq_len) and the PREFIX_SPLITS splits of
     the shared prefix [0, kv_start) that follow them (none without a shared prefix)."""
+    grid_dependency(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -397,7 +404,7 @@ def extend_attention(
         o.stride(0), o.stride(1), req_to_token.stride(0),
         GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     return o
 
@@ -498,7 +505,7 @@ def decode_attention(
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
             PREFIX_PTR=on_device, BLOCK_Q=block_q, BLOCK_N=prefix_block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-            num_warps=prefix_warps, num_stages=prefix_stages,
+            num_warps=prefix_warps, num_stages=prefix_stages, **pdl_args(q),
         )
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
@@ -510,7 +517,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(q),
     )
     if parts == 1:
         return o
@@ -520,6 +527,6 @@ def decode_attention(
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PREFIX_SPLITS=prefix_splits, PREFIX_PTR=on_device,
         BLOCK_S=triton.next_power_of_2(parts), BLOCK_N=block_n, PREFIX_BLOCK_N=prefix_block_n, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **pdl_args(q),
     )
     return o

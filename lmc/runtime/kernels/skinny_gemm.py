@@ -19,17 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import grid_dependency, pdl_args
+
 MAX_M = 64
 
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr):
+                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
     Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe)."""
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -152,5 +155,5 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> to
         _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                   EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
-                                  num_warps=warps, num_stages=stages)
+                                  num_warps=warps, num_stages=stages, **pdl_args(x))
     return y.view(*x.shape[:-1], n)

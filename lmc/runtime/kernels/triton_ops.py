@@ -4,7 +4,8 @@ most (reduction order, exp/rsqrt implementations), not by a re-association of bf
 
 Invariants: inputs are row-major with unit stride in the last dim; outputs are fresh contiguous tensors (except
 the residual stream `h`, also fresh). One program handles one token row (or one block of a row for SiLU-mul), so
-the launch grid scales with the token count and a decode step is one small launch per op.
+the launch grid scales with the token count and a decode step is one small launch per op. Each kernel starts with
+launch.grid_dependency: on Hopper they launch with programmatic dependent launch (launch.py).
 
 The launch wrappers are excluded from torch.compile (dynamo cannot trace their grid arithmetic over symbolic
 shapes): a compiled forward on the GPU calls them eagerly between its graphs, as it calls attention.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .launch import grid_dependency, pdl_args
 
 
 @triton.jit
@@ -32,7 +35,8 @@ def _round(x, ty: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, out_ptr, w_ptr, stride_x, stride_r, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -62,7 +66,7 @@ def _norm_launch(x, residual, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, h, out, weight, x2.stride(0), r2.stride(0), d, eps,
                                          HAS_RESIDUAL=residual is not None, BLOCK=block,
                                          BF16=x.dtype == torch.bfloat16,
-                                         num_warps=min(16, max(1, block // 256)))
+                                         num_warps=min(16, max(1, block // 256)), **pdl_args(x))
     return h.view(x.shape), out.view(x.shape)
 
 
@@ -80,7 +84,9 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                     PDL: tl.constexpr):
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -102,7 +108,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gu.shape[0]:
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](gu, out, gu.stride(0), inter, BLOCK=block,
                                                                     BF16=gate_up.dtype == torch.bfloat16,
-                                                                    num_warps=4)
+                                                                    num_warps=4, **pdl_args(gate_up))
     return out.view(*gate_up.shape[:-1], inter)
 
 
@@ -129,10 +135,11 @@ def _rope_heads(src_ptr, dst_ptr, c_lo, c_hi, s_lo, s_hi, heads, HALF: tl.conste
 def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, stride_qkv, stride_cs, HQ, HKV,
                     HQ_S, HKV_S, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                     BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-                    WRITE_KV: tl.constexpr):
+                    WRITE_KV: tl.constexpr, PDL: tl.constexpr):
     """Token t = program 0's index, heads split s = program 1's (HQ_S q heads and HKV_S kv heads from s on): q
     rotated into q_ptr's row t; k rotated into k_ptr's row t, or with WRITE_KV into the KV cache's slot slots[t]
     (k_ptr, v_ptr: one layer's [num_slots, HKV, D] buffers), v copied there too."""
+    grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -187,7 +194,7 @@ def _rope_launch(qkv, cos, sin, q, k, v, slots, num_q_heads, num_kv_heads, head_
                                      BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
                                      BLOCK_HALF=triton.next_power_of_2(half),
                                      BLOCK_D=triton.next_power_of_2(head_dim), BF16=qkv.dtype == torch.bfloat16,
-                                     WRITE_KV=write_kv, num_warps=4 if splits == 1 else 1)
+                                     WRITE_KV=write_kv, num_warps=4 if splits == 1 else 1, **pdl_args(qkv))
 
 
 @torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
