@@ -120,6 +120,9 @@ def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
     for name in ("round", "big", "far"):  # scored from the same positions as the unfused select
         assert on.get_meta_info(name)["normalized_prompt_logprobs"] == pytest.approx(
             off.get_meta_info(name)["normalized_prompt_logprobs"], abs=1e-3)
+    # a fused child's sampled token is the gen's first, counted there once: a select generates nothing either way
+    assert lmc.backend.openai.program_usage(on).completion_tokens == \
+        lmc.backend.openai.program_usage(off).completion_tokens
 
 
 def _forwards(program, be, engine, **args):

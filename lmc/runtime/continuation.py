@@ -423,10 +423,13 @@ class Continuation:
 
         step = chain.steps[chain.at]
         d = decide(step.method, step.choices, [lps for lps, _ in chain.choice_logprobs])
-        if chain.fused is not None:
+        fused = chain.fused is not None
+        if fused:
             chain.first, chain.fused = chain.fused[1][step.choices.index(d.decision)], None
         metas = [m for _, m in chain.choice_logprobs]
         usage = {k: sum(m[k] for m in metas) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+        if fused:  # the children's sampled tokens are the gen's first (the winner's counts there): a select generates none
+            usage["completion_tokens"] = 0
         reason = {"type": "stop", "matched": d.decision}
         chain.scored = {"index": chain.at, "kind": "select", "text": d.decision, "output_ids": [],
                         "meta_info": d.meta_info, "request_meta": {**usage, "finish_reason": reason}}
