@@ -2,7 +2,8 @@
 program's run of gens and selects between host breaks is one engine request, and gives what the call-by-call
 run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
 children, selects fused with the gen after them, in a small forward by ids too, forks); each call's result
-streams as it finishes; a malformed chain is refused naming the step; an aborted chain gives up its KV."""
+streams as it finishes; a malformed chain is refused naming the step; an aborted chain gives up its KV; a select
+scored by ids shares its prompt with the requests queued behind it at once."""
 import asyncio
 import re
 import threading
@@ -281,3 +282,30 @@ def test_requests_a_loop_submits_together_reach_the_scheduler_together(engine, m
     inbox.items.clear()
     assert isinstance(asyncio.run(cancelled())[0], asyncio.CancelledError)
     assert [kind for kind, _ in inbox.items] == ["reqs", "abort"]
+
+
+def test_a_select_scored_by_ids_shares_its_prompt_at_once(engine, monkeypatch):
+    """A chain whose select is scored in its prompt's forward goes on holding its KV; its prompt enters the tree
+    then, as any prefilled request's does: a request queued behind it that shares the prompt (another instance, a
+    fork's other branch) waits for it one forward (in-batch dedup), not until the chain's next call is prefilled
+    too."""
+    text = "Question: is a ripe banana yellow or purple, most of the time?\nOn a scale of 1 to 3, I rate it "
+    steps = [{"text": text, "choices": ["1", "2", "3"], "method": token_length_normalized},
+             {"text": " because it is", "gen": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}]
+    ended = {}  # request id -> the forwards run when its call ended
+    sched = engine.scheduler
+    monkeypatch.setattr(sched, "on_call_end", lambda r, reason: ended.setdefault(r.rid, sched.stats["forwards"]))
+
+    async def chain():
+        async for item in engine.async_chain(steps):
+            pass
+        return item
+
+    async def together():
+        return await asyncio.gather(chain(), engine.async_generate(text + "2, since", {"max_new_tokens": 1}))
+
+    assert engine.flush_cache()
+    before = sched.stats["forwards"]
+    _, behind = asyncio.run(together())
+    assert ended[int(behind["meta_info"]["id"])] - before == 2  # the chain's first forward, then its own
+    assert behind["meta_info"]["cached_tokens"] >= len(engine.tokenizer.encode(text)) - 2

@@ -358,6 +358,12 @@ class Scheduler:
                     self.waiting.insert(0, r)
                 return True
         if reason is not None:
+            if not decoding and r.chain is not None:
+                # A chain's call that ended in its prefill (a select scored by ids) goes on holding its KV: its
+                # prompt is shared now, as any prefilled request's, not at the chain's end. Else the requests
+                # queued behind it (the other instances of a batch, a fork's other branches) wait for it a forward
+                # or more: in-batch dedup counts the chain's next chunk as computing that prefix.
+                self.memory.cache_unfinished(r)
             self.finish(r, reason)
         elif not decoding:
             self.memory.cache_unfinished(r)  # its prompt is computed: requests queued behind it can share it
