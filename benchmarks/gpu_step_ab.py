@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_check import sync, time_call  # noqa: E402
+from gpu_check import time_call  # noqa: E402
+from gpu_profile import graph_replay_ms  # noqa: E402
 from record import finish, provenance, spread  # noqa: E402
 
 from lmc.runtime import Engine  # noqa: E402
@@ -41,24 +42,6 @@ def set_variant(name: str) -> None:
 
 def gen(eng, ids, n):
     return eng.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-
-
-@torch.inference_mode()
-def replay_ms(eng, bs, dev, n=50) -> float | None:
-    graphs = eng.runner.graphs
-    if graphs is None:
-        return None
-    g = graphs.graphs[bs]
-    g.replay()
-    sync(dev)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    end.synchronize()
-    eng.flush_cache()
-    return start.elapsed_time(end) / n
 
 
 def step_ms(eng, ids, steps, dev) -> float:
@@ -112,7 +95,7 @@ def run_shape(shape, args, dev, dtype, res, save):
                 for b in batches:
                     gen(eng, prompts[b], 2)  # the bucket's static buffers hold a real step of this batch
                     bucket = len(prompts[b])
-                    v["replay_ms"][b].append(replay_ms(eng, bucket, dev) if dev.type == "cuda" else None)
+                    v["replay_ms"][b].append(graph_replay_ms(eng, bucket, dev))
                     v["step_ms"][b].append(step_ms(eng, prompts[b], args.steps, dev))
                 for _ in range(2 if few else 0):
                     eng.flush_cache()
