@@ -73,8 +73,9 @@ def test_a_plain_request_is_a_one_call_program_bounded_by_its_max_new_tokens():
 
 def test_work_of_the_same_doubling_level_is_a_tie_the_prefix_match_decides():
     ctx = _ctx()
-    a, b = _req(0, ProgramHints("a", tokens_left=17)), _req(30, ProgramHints("b", tokens_left=30))
-    c = _req(60, ProgramHints("c", tokens_left=32))  # the next level: 32-63
+    # work: 4 uncached prompt tokens + tokens_left; a and b at level 16-31, c at the next (32-63)
+    a, b = _req(0, ProgramHints("a", tokens_left=13)), _req(30, ProgramHints("b", tokens_left=26))
+    c = _req(60, ProgramHints("c", tokens_left=28))
     assert POLICIES["program"].order([a, c, b], ctx) == [b, a, c]
 
 

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmc.protocol.hints import ProgramHints
 from lmc.runtime import Engine
 
 BASE = ("The history of the city begins with a small fishing village on the river. Over the centuries merchants "
@@ -30,12 +31,15 @@ request_mix = st.lists(
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-@given(mix=request_mix, policy=st.sampled_from(["lpm", "dfs-weight", "fcfs", "random"]))
+@given(mix=request_mix, policy=st.sampled_from(["program", "lpm", "dfs-weight", "fcfs", "random"]))
 def test_random_mixes_under_a_tiny_pool(tight, engine, base_ids, mix, policy):
+    """Program hints on every request: under `program` they engage forward shaping (budgeted prefills that the
+    running requests decode in); the other policies ignore them."""
     tight.scheduler.cfg.policy = policy
     prompts = [base_ids[s:s + n] for s, n, _ in mix]
     params = [{"max_new_tokens": k, "temperature": 0, "ignore_eos": True} for _, _, k in mix]
-    got = tight.generate(input_ids=prompts, sampling_params=params)
+    hints = ProgramHints("mix", tokens_left=sum(k for _, _, k in mix))
+    got = tight.generate(input_ids=prompts, sampling_params=params, program=hints)
     want = engine.generate(input_ids=prompts, sampling_params=params)
     for g, w in zip(got, want):
         assert "error" not in g, g.get("error")

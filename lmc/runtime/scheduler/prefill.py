@@ -14,6 +14,11 @@ waits a step, then hits the cache; except the choice children of a select's late
 whose point is the forward saved. A batch of short jump-forward extends carries the running requests' decode
 step too (mixing), so a jump costs no extra forward.
 
+Forward shaping (a policy with `busy_prefill_tokens`, the `program` policy while program instances run): while
+requests decode, a prefill batch takes at most that many new tokens, in the policy's order with the chunked
+request's next chunk ranked among the queue (a request that would need a second chunked prompt is passed over, not
+a stop), and the running requests decode in the same forward.
+
 A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
 admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
 requests' decode step like jump-forward extends, and so do the choice children of a chain's select.
@@ -67,6 +72,11 @@ class PrefillAdder:
         self.s, self.mem = s, s.memory
         self.batch = BatchBuilder()
         self.rem_input, self.rem_chunk = s.cfg.max_prefill_tokens, s.cfg.chunked_prefill_size
+        # Policy.busy_prefill_tokens, for program instances (plain traffic is batched as SGLang batches it)
+        self.shaped = (s.policy.busy_prefill_tokens is not None and bool(s.running)
+                       and any(r.program is not None for q in (s.running, s.waiting) for r in q))
+        if self.shaped:
+            self.rem_chunk = min(self.rem_chunk, s.policy.busy_prefill_tokens)
         self.reserved = sum(est_new(r) for r in s.running) * s.new_token_ratio
         self.joins: list[Req] = []  # requests whose last chunk is in this batch and that will decode after it
 
@@ -129,9 +139,9 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
     if not len(add.batch):
         return None
     b = add.batch
-    if (s.running and s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
+    if (s.running and (add.shaped or (s.chunked is None and max(b.extend_lens) <= MIX_MAX_EXTEND
             and all((r.jumps and r.computed_tokens) or r.chain is not None or r.parent is not None
-                    for r in b.reqs)
+                    for r in b.reqs)))
             and s.memory.room >= len(s.running)):
         # Only short extends of running work to prefill (a jump-forward's forced tokens, a chain's next text or
         # its select's choices, a chain's first text: a compiled program's next segment after a host break or a
@@ -173,25 +183,27 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         return  # nothing could be admitted: skip matching the queue
     for r in s.waiting:
         match(s, r)
-    order = s.policy.order(s.waiting, s.policy_context) if not s.cache.disabled else list(s.waiting)
+    chunked = s.chunked
+    # A shaped prefill ranks the chunked prompt's next chunk with the queue; else it continues first.
+    queue = s.waiting + [chunked] if add.shaped and chunked is not None else s.waiting
+    order = s.policy.order(queue, s.policy_context) if not s.cache.disabled else list(queue)
     sim = in_flight_prefixes(s) if s.shares_prefixes_in_batch else None
     if sim is not None:
         for r in add.batch.reqs:  # the chains' next chunks, taken before the queue (_continue_chains)
             _simulate(sim, r.fill_ids[:r.kv_len])
-    if s.chunked is not None:  # the in-flight chunked request continues first
-        r = s.chunked
-        ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
-        if ext > 0:
-            add.take(r, ext)
-            if r.kv_len == len(r.fill_ids):
-                s.chunked = None
+    if chunked is not None:
         if sim is not None:
-            _simulate(sim, r.fill_ids)  # its later chunks too: a request sharing them waits for the whole prompt
+            _simulate(sim, chunked.fill_ids)  # its later chunks too: a request sharing them waits for the prompt
+        if queue is s.waiting:
+            _continue_chunked(s, add)
     admitted: set[Req] = set()
     for r in order:
-        if len(s.running) + len(add.batch) >= s.cfg.max_running or not s.memory.rows.available:
-            break
         if add.rem_chunk <= 0 or (len(add.batch) and add.rem_input <= 0):
+            break
+        if r is chunked:
+            _continue_chunked(s, add)
+            continue
+        if len(s.running) + len(add.batch) >= s.cfg.max_running or not s.memory.rows.available:
             break
         match(s, r)  # again: allocations for requests admitted before r may have evicted its old match
         matched = len(r.prefix_slots)
@@ -204,6 +216,8 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         ext = len(r.fill_ids) - matched
         chunk = ext > add.rem_chunk
         if chunk and s.chunked is not None:
+            if add.shaped:
+                continue  # one chunked request at a time; shorter prompts behind r may still fit
             break  # one chunked request at a time
         ext = min(ext, add.rem_chunk)
         if not add.try_admit(r, ext, chunk):
@@ -216,3 +230,13 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         add.take(r, ext)
     if admitted:
         s.waiting = [r for r in s.waiting if r not in admitted]
+
+
+def _continue_chunked(s: "Scheduler", add: PrefillAdder) -> None:
+    """The chunked request's next chunk, as much of it as the budgets and the KV room take."""
+    r = s.chunked
+    ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
+    if ext > 0:
+        add.take(r, ext)
+        if r.kv_len == len(r.fill_ids):
+            s.chunked = None
