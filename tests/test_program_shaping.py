@@ -22,7 +22,7 @@ def test_short_work_goes_first_in_budgeted_forwards_that_keep_decoding(stepped, 
     sched = stepped.scheduler
     sched.cfg.policy = "program"
     budget = POLICIES["program"].busy_prefill_tokens
-    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     prompts = {"running": tokenizer.encode("Count slowly:"), "long": tokenizer.encode(NUMBERS)[:2 * budget],
                "short": tokenizer.encode("The capital of France is"),
                "later": tokenizer.encode("Write a short poem about the sea.")}
