@@ -1,8 +1,7 @@
 """Fused elementwise kernels of the decoder layer: RMSNorm with the residual add, SiLU-mul, rotary embedding of q
 and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
 pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny GEMM for the shapes where it measured
-faster than cuBLAS, skinny_gemm.py, which also computes the MLP's gate_up product with the SiLU-mul in its epilogue:
-linear_silu_mul).
+faster than cuBLAS, skinny_gemm.py).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors, the C++ kernel
 (attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for fp32 CPU tensors in eager mode,
@@ -53,20 +52,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if cfg is not None:
             return skinny_gemm.skinny_gemm(x, weight, cfg)
     return F.linear(x, weight, bias)
-
-
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """silu_mul(linear(x, weight)) for the MLP's gate_up weight [2I, K], as one skinny GEMM launch with the SiLU-mul
-    in its epilogue where the decode GEMM serves the product (skinny_gemm.CONFIGS, CUDA); None elsewhere: the caller
-    runs the two ops. The same roundings as the two ops (the product to x's dtype, then silu_mul's)."""
-    if not _fused(x):
-        return None
-    from . import skinny_gemm
-
-    cfg = skinny_gemm.config_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
-    if cfg is None or cfg[4:] not in ((), (1,)):
-        return None
-    return skinny_gemm.skinny_gemm(x, weight, cfg, gated=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

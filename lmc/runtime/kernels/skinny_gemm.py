@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from .launch import grid_dependency, pdl_args
-from .triton_ops import _round
 
 MAX_M = 64
 
@@ -28,14 +27,11 @@ MAX_M = 64
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-                        BF16: tl.constexpr = False):
+                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
-    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe).
-    GATED (SPLIT_K 1): W is [2N, K], gate rows then up rows (the MLP's gate_up_proj); the program also computes
-    the up tile at rows N + n and stores silu(gate) * up, rounded where the unfused GEMM and silu_mul round."""
+    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe)."""
     grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -50,38 +46,23 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only (else unused, compiled away)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            if GATED:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATED:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if IEEE:  # fp32 operands: full precision, as F.linear in fp32 (Triton's default would be tf32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            if GATED:
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-            if GATED:
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     mn_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    if GATED:
-        ty = Y.dtype.element_ty
-        g = _round(acc, ty, BF16).to(tl.float32)
-        s = _round(g / (1.0 + tl.exp(-g)), ty, BF16)  # F.silu rounds here
-        up = _round(acc_up, ty, BF16).to(tl.float32)
-        tl.store(y_ptrs, _round(s.to(tl.float32) * up, ty, BF16), mask=mn_mask)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mn_mask)
     else:
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -146,21 +127,13 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated: bool = False) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); SPLIT_K (default 1) programs share each tile's
-    K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns).
-    gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T), [..., I] (kernels.
-    silu_mul of the product, in one launch). Each program then reads BLOCK_N / 2 gate rows and as many up rows, the
-    weight bytes per program of the plain product under `config`, which is the product's (SPLIT_K 1 only)."""
+    K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns)."""
     k = w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     m, n = x2.shape[0], w.shape[0]
-    if gated:
-        if n % 2 or config[4:] not in ((), (1,)):
-            raise ValueError(f"a gated skinny_gemm needs w [2I, K] and no split K, got {tuple(w.shape)}, {config}")
-        n //= 2
-        config = (max(16, config[0] // 2), *config[1:4])
     if x2.shape[1] != k or x2.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"skinny_gemm needs x [M, {k}] and w [N, K] with unit stride in K, "
                          f"got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -182,6 +155,5 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated
         _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                   EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
-                                  GATED=gated, BF16=x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
-                                  **pdl_args(x))
+                                  num_warps=warps, num_stages=stages, **pdl_args(x))
     return y.view(*x.shape[:-1], n)

@@ -111,10 +111,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj
-        # Decode-sized on the GPU: the product and the SiLU-mul in one launch (a CPU-prepacked weight never is).
-        h = kernels.linear_silu_mul(x, gu.weight) if gu.packed is None and gu.bias is None else None
-        return self.down_proj(kernels.silu_mul(gu(x)) if h is None else h)
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
