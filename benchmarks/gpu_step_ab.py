@@ -1,7 +1,6 @@
 """A/B of decode-step variants on the GPU, in one engine per shape (dummy weights, bf16): programmatic dependent
-launch of the Triton kernels (kernels/launch.py) on, off and in CUDA graphs only, decode stage 1's key tile when few
-programs run (attention/triton_kernels._decode_block_n: 128 keys for bf16 D=128, against 64), and sampling queued
-before the previous batch is processed where it can be (scheduler.step's `early`) against after.
+launch of the Triton kernels (kernels/launch.py) on, off and in CUDA graphs only, and decode stage 1's key tile when few programs run
+(attention/triton_kernels._decode_block_n: 128 keys for bf16 D=128, against 64).
 
 Each variant gets its own CUDA graphs (captured with its switches set); the variants then alternate, `--rounds`
 times: the decode graph of each bucket replayed alone (ms, CUDA events), wall ms per decode step as gpu_bench
@@ -30,20 +29,15 @@ from record import finish, provenance, spread  # noqa: E402
 from lmc.runtime import Engine  # noqa: E402
 from lmc.runtime.attention import triton_kernels  # noqa: E402
 from lmc.runtime.kernels import launch  # noqa: E402
-from lmc.runtime.scheduler import scheduler as scheduler_mod  # noqa: E402
 
 _BLOCK_N = triton_kernels._decode_block_n
-_READS_OUTPUTS = scheduler_mod.reads_outputs
-# name -> (launch.MODE, stage 1's key tile for few programs: None = _decode_block_n's, sampling queued before the
-# previous batch is processed where it can be: scheduler.step's `early`)
-VARIANTS = {"base": ("off", None, True), "pdl": ("on", None, True), "pdl_graphs": ("graphs", None, True),
-            "pdl_bn64": ("on", 64, True), "pdl_late_sampling": ("on", None, False)}
+# name -> (launch.MODE, stage 1's key tile for few programs: None = _decode_block_n's)
+VARIANTS = {"base": ("off", None), "pdl": ("on", None), "pdl_graphs": ("graphs", None), "pdl_bn64": ("on", 64)}
 
 
 def set_variant(name: str) -> None:
-    launch.MODE, block_n, early = VARIANTS[name]
+    launch.MODE, block_n = VARIANTS[name]
     triton_kernels._decode_block_n = _BLOCK_N if block_n is None else (lambda row_bytes, n=block_n: n)
-    scheduler_mod.reads_outputs = _READS_OUTPUTS if early else (lambda r: True)
 
 
 def gen(eng, ids, n):
@@ -146,7 +140,7 @@ def main():
     else:
         dev, dtype, shapes = torch.device("cuda"), "bfloat16", args.shapes.split(",")
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "variants": {k: dict(zip(("pdl_mode", "stage1_block_n_few_programs", "early_sampling"), v)) for k, v in VARIANTS.items()},
+           "variants": {k: dict(zip(("pdl_mode", "stage1_block_n_few_programs"), v)) for k, v in VARIANTS.items()},
            "shapes": {}}
     prov = provenance("benchmarks/gpu_step_ab.py", "probe: the decode step's launch variants, alternating")
 

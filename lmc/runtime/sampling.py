@@ -173,15 +173,6 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def reads_outputs(r: Req) -> bool:
-    """Whether sampling r's next token reads its outputs so far on the host (penalties over them, the min-tokens ban
-    counting them, a seeded draw keyed by their number) or a grammar's state: then it must wait until the host
-    holds the previous step's token (scheduler.py's overlap)."""
-    p = r.params
-    return bool(r.grammar is not None or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-                or p.min_new_tokens or (p.seed is not None and not p.greedy))
-
-
 def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """logits: [B, V] fp32 (modified in place). Returns the sampled ids [B] (on logits' device)."""
     _penalize(logits, reqs)

@@ -8,9 +8,8 @@ Overlap (`overlap=True`, mini-sglang's scheme): the step launches batch N+1 befo
 the host's work on N (detokenizing, stop checks, finishing, radix inserts, jump-forward) runs while the device
 computes N+1. This works because N+1 never needs N's tokens on the host: a decode step reads its input ids from
 the runner's token buffer on the device, where N's sampling wrote them, and slots are allocated from the host's
-own accounting. Sampling N+1 is queued only after N is processed where a request of N+1 needs N's token for it
-(a grammar's mask, penalties, seeds, min-tokens bans: sampling.reads_outputs): constrained requests keep overlapping
-with the rest. Otherwise it is queued right after N+1's forward, so the device never waits for that processing. Scheduling N+1 before N's
+own accounting. Sampling N+1 is queued only after N is processed, so a grammar's mask (and penalties, seeds,
+min-tokens bans) see N's token: constrained requests keep overlapping with the rest. Scheduling N+1 before N's
 tokens are known costs little: a request that N ends is also in N+1, where it computes one wasted position; when
 N ends it (finish, abort, jump, retraction) it gives up its KV and starts a new epoch, and its N+1 entry, stale,
 is dropped (`Req.epoch`). Without overlap each step launches, samples and processes one batch, in that order.
@@ -42,7 +41,6 @@ from ..continuation import Continuation, ran_a_call
 from ..core import Req
 from ..jump_forward import REQUEUE, JumpForwarder
 from ..runner import Launch, ModelRunner, ScheduledBatch, StepOutput
-from ..sampling import reads_outputs
 from . import decode, prefill
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -203,20 +201,13 @@ class Scheduler:
         sb = self._schedule_prefill() or self._schedule_decode()
         new = self._launch(sb) if sb is not None else None
         prev, self._inflight = self._inflight, None
-        # A batch whose sampling reads nothing of the host's (no grammar, penalties, min-tokens or seeded draws) is
-        # sampled at once: the device need not wait for the host to process `prev` (a long prefill's 127 requests)
-        # before sampling it. Its entries that `prev` ends are stale and dropped, as their forward's.
-        early = new is not None and not new.redo and prev is not None and not any(map(reads_outputs, sb.reqs))
-        if early:
-            self.runner.sample(new.launch, [None] * len(sb))
         if prev is not None:
             self.out += self._complete(prev, new)
         if new is not None:
             if new.redo:
                 self.out += self._run_sync(new.sb)
             else:
-                if not early:
-                    self.runner.sample(new.launch, self._grammar_rows(new.sb))
+                self.runner.sample(new.launch, self._grammar_rows(new.sb))
                 if self.overlap:
                     self._inflight = new
                 else:
