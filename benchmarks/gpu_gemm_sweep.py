@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lmc.runtime.kernels.skinny_gemm import CONFIGS as TABLE, _block_m, skinny_gemm  # noqa: E402
+from lmc.runtime.kernels.skinny_gemm import CONFIGS as TABLE, _block_m, _skinny_gemm_kernel, skinny_gemm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "llama-2-7b qkv": (12288, 4096), "llama-2-7b o": (4096, 4096), "llama-2-7b gate_up": (22016, 4096),
@@ -28,8 +28,34 @@ SHAPES = {  # name: (N, K)
 CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((16, 32, 64), (128, 256, 512),
                                                                     ((4, 3), (4, 5), (8, 4)))]
 # --split: split-K tiles (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K), for the shapes with few output tiles.
+# --large: tiles for M > skinny_gemm.MAX_M (a batch-256 decode's GEMMs, near compute-bound), with BLOCK_M:
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K), against cuBLAS.
+LARGE_CONFIGS = [(bm, bn, bk, w, st, 1) for (bm, bn, w), (bk, st) in itertools.product(
+    ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8),
+     (256, 128, 8)), ((64, 3), (64, 4), (128, 3)))] + [
+    (bm, bn, 64, w, 4, sk) for (bm, bn, w), sk in itertools.product(((64, 128, 4), (128, 128, 8)), (2, 4))]
 SPLIT_CONFIGS = [(bn, bk, 4, st, sk) for bn, (bk, st), sk in itertools.product((32, 64, 128), ((128, 4), (256, 3)),
                                                                                (1, 2, 4, 8))]
+
+
+def tiled_gemm(x, w, cfg):
+    """skinny_gemm's kernel with an explicit BLOCK_M (the --large probe): cfg = (BM, BN, BK, warps, stages, split)."""
+    bm, bn, bk, warps, stages, split = cfg
+    m, k = x.shape
+    n = w.shape[0]
+    k_split = -(-(-(-k // split)) // bk) * bk
+    split = -(-k // k_split)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (-(-n // bn), -(-m // bm), split)
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    counters = _COUNTERS if split > 1 else y
+    _skinny_gemm_kernel[grid](x, w, y, parts, counters, m, n, k, k_split, x.stride(0), w.stride(0), y.stride(0),
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=False, SPLIT_K=split,
+                              PDL=False, num_warps=warps, num_stages=stages)
+    return y
+
+
+_COUNTERS = None
 
 
 def copy_bandwidth() -> float:
@@ -73,8 +99,12 @@ def main():
     ap.add_argument("--ms", default="1,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--split", action="store_true", help="sweep the split-K tiles (SPLIT_CONFIGS) instead")
+    ap.add_argument("--large", action="store_true", help="tiles with BLOCK_M for M > MAX_M (LARGE_CONFIGS)")
     args = ap.parse_args()
-    configs = SPLIT_CONFIGS if args.split else CONFIGS
+    configs = LARGE_CONFIGS if args.large else SPLIT_CONFIGS if args.split else CONFIGS
+    gemm = tiled_gemm if args.large else skinny_gemm
+    global _COUNTERS
+    _COUNTERS = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bw, "shapes": []}
@@ -83,25 +113,27 @@ def main():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         floor = (n * k + m * (n + k)) * 2 / bw * 1e6
-        row = {"shape": name, "N": n, "K": k, "M": m, "floor_us": floor,
+        compute_us = 2 * m * n * k / 783e12 * 1e6  # at gpu_bench's measured bf16 matmul rate
+        row = {"shape": name, "N": n, "K": k, "M": m, "floor_us": floor, "compute_us": compute_us,
                "cublas_us": per_call_us(lambda x, w: F.linear(x, w), xs, ws), "triton": []}
         ref = F.linear(xs[0], ws[0]).float()
-        current = TABLE.get((_block_m(m), n, k))  # the table's tile too, so a sweep's best never loses to it
+        current = None if args.large else TABLE.get((_block_m(m), n, k))  # the table's tile too, so a sweep's best never loses to it
         for cfg in configs + ([current] if current is not None and current not in configs else []):
             try:
-                err = ((skinny_gemm(xs[0], ws[0], cfg).float() - ref).norm() / ref.norm()).item()
-                t = per_call_us(lambda x, w, cfg=cfg: skinny_gemm(x, w, cfg), xs, ws)
+                err = ((gemm(xs[0], ws[0], cfg).float() - ref).norm() / ref.norm()).item()
+                t = per_call_us(lambda x, w, cfg=cfg: gemm(x, w, cfg), xs, ws)
             except Exception as e:  # noqa: BLE001 -- a config over the shared-memory limit
                 row["triton"].append({"config": cfg, "error": str(e)[:80]})
                 continue
             row["triton"].append({"config": cfg, "us": t, "rel_err": err})
         ok = [t for t in row["triton"] if "us" in t]
         best = min(ok, key=lambda t: t["us"])
+        row["top3"] = sorted(ok, key=lambda t: t["us"])[:3]
         row["best"] = best
         res["shapes"].append(row)
-        print(f"{name:20s} M={m:3d} floor {floor:7.1f} us  cublas {row['cublas_us']:7.1f} "
+        print(f"{name:20s} M={m:3d} floor {floor:7.1f} us compute {compute_us:7.1f}  cublas {row['cublas_us']:7.1f} "
               f"({floor / row['cublas_us']:.0%})  triton {best['us']:7.1f} ({floor / best['us']:.0%}) "
-              f"{best['config']} err {best['rel_err']:.1e}", flush=True)
+              f"{best['config']} err {best['rel_err']:.1e} top3 {[(t['config'], round(t['us'], 1)) for t in row['top3']]}", flush=True)
         del ws, xs
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:

@@ -195,7 +195,58 @@ def profile_few_shot(eng, cfg, dev, programs=128, prefix_len=1200, unique=60, ne
         out["gpu_kernel_ms"] = sum(per.values()) / 1e3
         out["gpu_busy_share"] = busy_share([(a, b) for a, b, _ in kern], t0, t1)
         out["top_kernels"] = [{"name": n[:100], "ms": t / 1e3} for n, t in per.most_common(12)]
+        out["idle_gaps"] = idle_gaps(kern, t0)
+    out["host_profile"] = host_profile(lambda: gen(eng, progs, new), eng)
     return out
+
+
+def idle_gaps(kern, t0, top=16) -> list[dict]:
+    """The longest stretches with no kernel running (ms from the first kernel, length, the kernels either side):
+    where the GPU waits on the host."""
+    kern = sorted(kern)
+    gaps, end, prev = [], kern[0][1], kern[0][2]
+    for s_, e_, n in kern[1:]:
+        if s_ > end:
+            gaps.append({"at_ms": round((end - t0) / 1e3, 2), "ms": round((s_ - end) / 1e3, 3),
+                         "after": prev[:50], "before": n[:50]})
+        if e_ > end:
+            end, prev = e_, n
+    gaps.sort(key=lambda g: -g["ms"])
+    return [{"total_ms": round(sum(g["ms"] for g in gaps), 2), "count": len(gaps)}] + gaps[:top]
+
+
+def host_profile(run, eng, top=30) -> list[str]:
+    """cProfile of the scheduler thread's steps over one run of `run` (tottime order), with each step's host
+    time: what the host does while the GPU may wait. As text lines."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    eng.flush_cache()
+    sched, pr, spans = eng.scheduler, cProfile.Profile(), []
+    step = sched.step
+
+    def profiled_step():
+        t = time.perf_counter()
+        pr.enable()
+        try:
+            return step()
+        finally:
+            pr.disable()
+            spans.append((t, time.perf_counter()))
+    sched.step = profiled_step
+    try:
+        t0 = time.perf_counter()
+        run()
+        t1 = time.perf_counter()
+    finally:
+        del sched.step
+    buf = io.StringIO()
+    buf.write(f"run {1e3 * (t1 - t0):.1f} ms, {len(spans)} steps, host in steps {1e3 * sum(b - a for a, b in spans):.1f} ms;"
+              f" steps (start, ms): {[(round(1e3 * (a - t0), 1), round(1e3 * (b - a), 2)) for a, b in spans]}\n")
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
 
 
 @contextmanager
@@ -293,6 +344,9 @@ def main():
               f"busy {fs.get('gpu_busy_share', 1):.0%}")
         for k in fs.get("top_kernels", [])[:10]:
             print(f"   {k['ms']:.2f} ms  {k['name']}")
+        for g_ in fs.get("idle_gaps", []):
+            print("   gap", g_)
+        print("\n".join(fs["host_profile"]))
     eng.shutdown()
     print(json.dumps(res["paths"]))
     for r in res["batches"]:

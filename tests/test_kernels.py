@@ -183,3 +183,27 @@ def test_rope_qk_long_extend_runs_one_program_per_token():
     for a, b, r in zip(got, split, reference.rope_qk(qkv, cos_t[pos], sin_t[pos], hq, hkv, dim)):
         assert_within_ulps(a, r, torch.float32)
         assert torch.equal(a[:2], b)
+
+
+@pytest.mark.parametrize("n,padding", [(1, 0), (5, 3), (300, 20)])  # 300 + 20: past one 256-row block
+def test_decode_inputs_gathers_ids_and_writes_only_the_new_slots(n, padding):
+    """A decode graph's first kernel against its torch ops: ids from the token buffer at the rows, sequence lengths
+    positions + 1, the slots written into the table at (row, position) and nowhere else; padding rows (the dummy
+    row 0 at position 0, slot 0) all write the same entry. Outputs poisoned first: every row is written."""
+    dev = kernel_device(ops._decode_inputs_kernel)
+    g = torch.Generator().manual_seed(n)
+    num_rows, ctx = n + 4, 64
+    rows = torch.cat([torch.randperm(num_rows - 1, generator=g)[:n] + 1, torch.zeros(padding, dtype=torch.long)])
+    positions = torch.cat([torch.randint(0, ctx, (n,), generator=g), torch.zeros(padding, dtype=torch.long)])
+    slots = torch.cat([torch.randint(1, 10_000, (n,), generator=g), torch.zeros(padding, dtype=torch.long)])
+    token_buf = torch.randint(0, 32_000, (num_rows,), generator=g)
+    table = torch.randint(0, 10_000, (num_rows, ctx), generator=g, dtype=torch.int32)
+    table[0] = 0  # the dummy row stays zeros
+    args = [t.to(dev) for t in (token_buf, table, rows, positions, slots)]
+    ids, seq = torch.full((n + padding,), -7, device=dev), torch.full((n + padding,), -7, dtype=torch.int32, device=dev)
+    ref_args = [t.clone() for t in args]
+    ref_ids, ref_seq = ids.clone(), seq.clone()
+    ops.decode_inputs(*args, ids, seq)
+    reference.decode_inputs(*ref_args, ref_ids, ref_seq)
+    assert torch.equal(ids, ref_ids) and torch.equal(seq, ref_seq) and torch.equal(args[1], ref_args[1])
+    assert torch.equal(ids.cpu(), token_buf[rows]) and int((args[1].cpu() != table).sum()) <= n

@@ -263,6 +263,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         got = self.cache.peek(key)
         assert tree_snapshot(self.cache) == before, "peek changed the tree"
         expect = self.ref_prefix_len(key)
+        assert self.cache.prefix_len(key) == expect == len(got)  # the slot-less walk (admission's in-batch check)
         assert got.tolist() == self.ref_slots(key, expect)
         slots, _ = self.check_match(key)
         assert got.tolist() == slots.tolist()

@@ -6,8 +6,10 @@ Padding rows of a bucket use the dummy row 0 (all zeros -> dummy slot 0), sequen
 slot 0, so they read and write only the dummy slot. Attention is captured with `max_seq_len` equal to the context
 length, so one graph serves every sequence length (the backend's prepare_capture() builds length-independent
 metadata; its prepare_replay() hook runs before each replay). Replay takes device tensors (the step's metadata
-arrived in the runner's one host-to-device copy, its input ids were gathered from the token buffer on the
-device): filling the static buffers is device-to-device, no host sync.
+arrived in the runner's one host-to-device copy): filling the static buffers is device-to-device, no host sync.
+The graph's first kernel derives the rest from the rows, positions and slots (kernels/triton_ops.decode_inputs):
+the input ids gathered from the token buffer, the sequence lengths, and the new tokens' slots written into the
+slot table, one launch inside the graph where these were five small launches and copies outside it.
 
 A batch whose requests share a long cached prefix (ForwardBatch.shared_prefix) replays a second graph of its
 bucket, captured on first use, whose attention reads that prefix once for the batch (the cascade of
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .attention import ForwardBatch
+from .kernels import triton_ops
 from .memory import DUMMY_ROW
 
 
@@ -63,27 +66,35 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph: kernel compilation, cuBLAS handles
-            self.runner.model(self.ids[:bs], batch)
+            self._step(bs, batch)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            logits = self.runner.model(self.ids[:bs], batch)
+            logits = self._step(bs, batch)
         self.pool = g.pool()
         return g, batch, logits
 
+    def _step(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
+        """What a graph runs: the step's inputs from its rows, positions and slots (module docstring), the forward."""
+        r = self.runner
+        triton_ops.decode_inputs(r.token_buf, r.table, self.rows[:bs], self.positions[:bs], self.slots[:bs],
+                                 self.ids[:bs], self.seq_lens[:bs])
+        return r.model(self.ids[:bs], batch)
+
     def _pad(self, lo: int, hi: int) -> None:
-        """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, sequence length 1, slot 0."""
-        self.ids[lo:hi], self.positions[lo:hi], self.slots[lo:hi] = 0, 0, 0
-        self.rows[lo:hi], self.seq_lens[lo:hi] = DUMMY_ROW, 1
+        """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, position 0, slot 0 (so sequence
+        length 1 and the dummy slot, whatever token the graph's gather finds in the dummy row's buffer entry)."""
+        self.positions[lo:hi], self.slots[lo:hi], self.rows[lo:hi] = 0, 0, DUMMY_ROW
 
     @torch.inference_mode()
-    def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-               seq_lens: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
-        """All tensor arguments are [n] device tensors of one decode step; `shared_prefix` as in ForwardBatch.
+    def replay(self, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+               shared_prefix: int = 0) -> torch.Tensor:
+        """All tensor arguments are [n] device tensors of one decode step (its input ids are in the runner's token
+        buffer at `rows`; its slots are written into the slot table by the graph); `shared_prefix` as in ForwardBatch.
         Returns its [n, V] logits: a view of the graph's static buffer, valid until the next replay. Work queued
         on the stream before that replay (the step's sampling) may read it in place; a reader after it (logprobs,
         read when the step is collected) needs the copy that ModelRunner.launch takes for such steps."""
-        n = len(ids)
+        n = len(rows)
         bs = next(b for b in sorted(self.graphs) if b >= n)
         if self.runner.attn.reads_shared_prefix(n, shared_prefix, self.runner.kv):
             if bs not in self.cascade:  # before the buffers are filled: capture runs on the dummy step
@@ -92,11 +103,9 @@ class DecodeGraphs:
             self.shared_prefix.fill_(shared_prefix)
         else:
             graph, batch, logits = self.graphs[bs], self.batches[bs], self.logits[bs]
-        self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
         self.rows[:n].copy_(rows)
-        self.seq_lens[:n].copy_(seq_lens)
         self._pad(n, bs)  # a previous larger batch may have left real rows there
         self.runner.attn.prepare_replay(batch, n)
         graph.replay()

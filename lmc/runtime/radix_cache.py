@@ -114,6 +114,17 @@ class RadixCache:
                 break
         return torch.cat(values) if values else _EMPTY
 
+    def prefix_len(self, key: Sequence[int]) -> int:
+        """len(peek(key)), without gathering the slots."""
+        key, node, pos = tuple(key), self.root, 0
+        while pos < len(key) and key[pos] in node.children:
+            node = node.children[key[pos]]
+            n = common_prefix_len(node.key, key[pos:pos + len(node.key)])
+            pos += n
+            if n < len(node.key):
+                break
+        return pos
+
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Insert key -> slots. Returns how many leading tokens were already cached: the caller owns (and must
         free) its own slots for those positions, since the tree keeps its existing copy."""

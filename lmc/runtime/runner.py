@@ -5,7 +5,8 @@ or the radix tree.
 A step is split so that the host can work while the device computes (overlap scheduling, scheduler/):
 - `launch(sb)`: pack the batch's metadata into one host tensor, copy it to the device in one (pinned, on CUDA)
   copy, write the batch's slots into the device slot table, gather the input ids the host does not know yet from
-  the token buffer, and run the forward. Returns a handle at once.
+  the token buffer, and run the forward (a decode step replayed from a CUDA graph does those two inside the graph).
+  Returns a handle at once.
 - `sample(handle, grammar_reqs)`: mask, sample, write the sampled ids into the token buffer (one entry per slot-
   table row: the request's last token, which its next decode step reads on the device), and start their copy to
   the host. Separate from launch because a grammar's mask needs the previous step's token accepted first.
@@ -343,11 +344,14 @@ class ModelRunner:
         dev = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
         (rows, pre, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows, tw_cols, slots,
          tw_vals) = torch.split(dev, sizes)
-        seq = pre + ext
         if len(tw_rows):
             self.table[tw_rows, tw_cols] = tw_vals.to(torch.int32)
         if self.tp is not None and (is_decode or len(fb_rows)):
             self.tp.share_tokens(self.token_buf)  # only rank 0 samples: the others read its buffer
+        if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
+            # the graph gathers the input ids and writes the slot table itself (cuda_graph.py)
+            return self.graphs.replay(pre, slots, rows, shared), sample_rows
+        seq = pre + ext
         if is_decode:
             positions, tok_rows, ids = pre, rows, self.token_buf[rows]
         else:
@@ -358,8 +362,6 @@ class ModelRunner:
                 ids = ids.clone()
                 ids[fb_pos] = self.token_buf[fb_rows]
         self.table[tok_rows, positions] = slots.to(torch.int32)
-        if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
-            return self.graphs.replay(ids, positions, slots, rows, seq, shared), sample_rows
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,
             max_extend_len=max_ext, max_seq_len=max_seq, positions=positions, out_slots=slots,

@@ -45,3 +45,10 @@ def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     k_cache[slots] = k
     v_cache[slots] = v
     return q
+
+
+def decode_inputs(token_buf, table, rows, positions, slots, ids, seq_lens) -> None:
+    """triton_ops.decode_inputs in torch ops."""
+    ids.copy_(token_buf[rows])
+    seq_lens.copy_(positions + 1)
+    table[rows, positions] = slots.to(table.dtype)

@@ -49,7 +49,7 @@ def est_new(r: Req) -> int:
 def match_limit(s: "Scheduler", r: Req) -> int:
     """How many leading tokens of `r` a cached prefix may serve: at least one token is always recomputed (its
     logits are needed), and the positions of prompt logprobs not recorded yet are recomputed too."""
-    limit = len(r.fill_ids) - 1
+    limit = r.seq_len - 1  # len(fill_ids), without building it
     if r.next_prompt_logprob < len(r.input_ids):
         limit = min(limit, max(r.next_prompt_logprob - 1, 0))
     if r in s.no_match and r.computed_tokens == 0:
@@ -82,7 +82,7 @@ class PrefillAdder:
 
     def take(self, r: Req, ext: int) -> None:
         pre = r.kv_len
-        last = pre + ext == len(r.fill_ids)
+        last = pre + ext == r.seq_len
         self.batch.add(r, pre, ext, self.mem.extend(r, ext), last and r.params.max_new_tokens > 0)
         self.rem_input -= ext
         self.rem_chunk -= ext
@@ -113,8 +113,11 @@ class PrefillAdder:
         return False
 
 
+_NO_SLOT = torch.zeros((), dtype=torch.int64)
+
+
 def _simulate(sim: RadixCache, key) -> None:
-    sim.insert(key, torch.zeros(len(key), dtype=torch.int64))
+    sim.insert(key, _NO_SLOT.expand(len(key)))  # a view: the tree copies only the part it lacks
 
 
 def in_flight_prefixes(s: "Scheduler") -> RadixCache:
@@ -209,11 +212,11 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         matched = len(r.prefix_slots)
         if sim is not None and sim.total_size:
             # only what r could take from the cache counts: positions whose logits r needs are recomputed anyway
-            shared = min(len(sim.peek(r.fill_ids)), match_limit(s, r))
+            shared = min(sim.prefix_len(r.fill_ids), match_limit(s, r))
             fused = r.parent is not None and r.parent.chain.latency_fused  # (a select's latency fusion)
             if shared - matched >= IN_BATCH_DEPRIORITIZE and not fused:
                 continue  # a request in this batch (or the forward in flight) computes it: share it next step
-        ext = len(r.fill_ids) - matched
+        ext = r.seq_len - matched
         chunk = ext > add.rem_chunk
         if chunk and s.chunked is not None:
             if add.shaped:
