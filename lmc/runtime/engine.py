@@ -64,13 +64,15 @@ class Engine:
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
                  max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False,
                  tensor_parallel_size: int = 1, overlap_schedule: bool | None = None,
-                 enable_continuation: bool = True):
+                 enable_continuation: bool = True, busy_prefill_tokens: int | None = None):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
         `schedule_policy`: the admission order, a name in scheduler.POLICIES; `program` (the default) orders by
         the plan's remaining work where requests carry program hints and keeps KV by next use, and orders as `lpm`
         where none do.
+        `busy_prefill_tokens`: forward shaping for completion time under load (SchedulerConfig; off by default:
+        it costs throughput on batches submitted at once).
         `start`: start the scheduler thread; False leaves `engine.scheduler.step()` to the caller (tests that
         drive the scheduler one step at a time).
         `enable_jump_forward`: append the strings a request's grammar forces without sampling them (constrained
@@ -116,7 +118,8 @@ class Engine:
         chunk = chunked_prefill_size or (8192 if dev.type == "cuda" else 4096)
         self.scheduler = Scheduler(
             self.runner, SchedulerConfig(policy=schedule_policy, max_running=max_running_requests,
-                                         max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk),
+                                         max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk,
+                                         busy_prefill_tokens=busy_prefill_tokens),
             disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed, grammars=self.grammars,
             enable_jump_forward=enable_jump_forward, debug_checks=check_invariants, overlap=self.overlap_schedule)
         self.check_invariants = check_invariants

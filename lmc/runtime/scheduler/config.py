@@ -25,6 +25,10 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.098
     new_token_ratio_decay_steps: int = 600
     retract_reserve_steps: int = 20
+    # Forward shaping for latency under load (policy.ProgramAware's docstring; prefill.py): while requests carrying
+    # program hints decode, a prefill batch takes at most this many new tokens and the running requests decode in
+    # it. None: SGLang's rules (prefill up to the budgets above, decoding stalled while it runs).
+    busy_prefill_tokens: int | None = None
     # Ablation knob (benchmarks only, the paper's Figure 8): the share of requests, drawn by the scheduler's seeded
     # RNG when they arrive, whose cached prefix is ignored, so the hit rate drops while everything else is unchanged.
     match_drop_rate: float = 0.0

@@ -32,11 +32,6 @@ class Policy(ABC):
     name: str
     cache_aware: bool = False  # reads prefix matches; requests sharing a prefix are also deduplicated in a batch
     plan_retention: bool = False  # the radix tree evicts by the plan's next uses while this policy schedules
-    # Forward shaping (prefill.py): while requests decode, a prefill batch takes at most this many new tokens,
-    # given out in this policy's order (a chunked prompt's next chunk ranked with the queue), and the running
-    # requests decode in the same forward. None: SGLang's rules (a prefill batch up to the budgets of
-    # SchedulerConfig, decoding stalled while it runs, the chunked prompt's next chunk first).
-    busy_prefill_tokens: int | None = None
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         """The queue in admission order (a new list; the queue itself is left alone)."""
@@ -141,19 +136,18 @@ class ProgramAware(Policy):
     that does not fit the budgets, so nothing behind an aged request overtakes it). Whatever arrives later cannot
     delay it past that, so a long program under a flood of short ones makes progress at every call.
 
-    Forward shaping (`busy_prefill_tokens`): the order decides little if every waiting request fits the next
-    forward, and under load they do (the prefill budget is thousands of tokens; a trace of the load benchmark at
-    8 instances/s found the queue empty after nearly every prefill). What a request waits for is then the forward
-    itself: a forward costs about a fixed overhead plus a share per token row, so one that prefills a long prompt
-    of one instance (an article, a few-shot header) delays the next token of every other instance by hundreds of
-    milliseconds, and a prefill forward without decode rows stalls them all. So while requests decode, a prefill
-    forward takes at most `busy_prefill_tokens` new tokens, the instances with the least work left first (a long
-    prompt is chunked, its chunks ranked with the queue), and every running request decodes in it: short
-    instances finish in a few fast forwards, processor sharing becomes shortest-remaining-first, and no forward is
-    spent on a prefill alone while others could decode (the same rows in about as many forwards: throughput is
-    kept). Plain requests (no hints anywhere in the engine) are batched as `lpm` batches them. 64 tokens: a
-    forward of about three times a decode step's cost on a 2-core CPU (budgets 32 and 128 measured worse on the
-    load benchmark: mean, respectively p90 and throughput).
+    Forward shaping (`SchedulerConfig.busy_prefill_tokens`, off by default; `lmc serve --busy-prefill-tokens`):
+    under load the order decides little if every waiting request fits the next forward, and they do (the prefill
+    budget is thousands of tokens; a trace of the load benchmark at 8 instances/s found the queue empty after
+    nearly every prefill). What a request waits for is then the forward itself: a forward costs about a fixed
+    overhead plus a share per token row, so one that prefills a long prompt of one instance delays the next token
+    of every other instance by hundreds of milliseconds. With the budget set, while hinted requests decode a
+    prefill forward takes at most that many new tokens in this order (a long prompt is chunked, its chunks ranked
+    with the queue) and every running request decodes in it: processor sharing becomes shortest-remaining-first,
+    for instances arriving over time. It trades throughput for completion time: a batch of instances submitted
+    at once spends more forwards (compiled judge, 32 instances: 68 forwards against 29, 0.58x the programs/s),
+    hence off unless the server is tuned for latency. 64 tokens on a 2-core CPU: about three decode steps' cost
+    (32 and 128 measured worse on the load benchmark: mean, respectively p90 and throughput).
 
     Retention (`plan_retention`): while this policy schedules, the radix tree evicts by the plan (programs.py).
     """
@@ -162,8 +156,8 @@ class ProgramAware(Policy):
     cache_aware = True
     plan_retention = True
 
-    def __init__(self, max_wait_s: float = 10.0, busy_prefill_tokens: int | None = 64):
-        self.max_wait_s, self.busy_prefill_tokens = max_wait_s, busy_prefill_tokens
+    def __init__(self, max_wait_s: float = 10.0):
+        self.max_wait_s = max_wait_s
 
     def rank(self, waiting, ctx):
         if not any(r.program is not None for r in waiting):

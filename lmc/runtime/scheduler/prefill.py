@@ -14,7 +14,7 @@ waits a step, then hits the cache; except the choice children of a select's late
 whose point is the forward saved. A batch of short jump-forward extends carries the running requests' decode
 step too (mixing), so a jump costs no extra forward.
 
-Forward shaping (a policy with `busy_prefill_tokens`, the `program` policy while program instances run): while
+Forward shaping (`SchedulerConfig.busy_prefill_tokens`, off by default; while program instances run): while
 requests decode, a prefill batch takes at most that many new tokens, in the policy's order with the chunked
 request's next chunk ranked among the queue (a request that would need a second chunked prompt is passed over, not
 a stop), and the running requests decode in the same forward.
@@ -72,11 +72,12 @@ class PrefillAdder:
         self.s, self.mem = s, s.memory
         self.batch = BatchBuilder()
         self.rem_input, self.rem_chunk = s.cfg.max_prefill_tokens, s.cfg.chunked_prefill_size
-        # Policy.busy_prefill_tokens, for program instances (plain traffic is batched as SGLang batches it)
-        self.shaped = (s.policy.busy_prefill_tokens is not None and bool(s.running)
+        # forward shaping, for program instances (plain traffic is batched as SGLang batches it)
+        budget = s.cfg.busy_prefill_tokens
+        self.shaped = (budget is not None and bool(s.running)
                        and any(r.program is not None for q in (s.running, s.waiting) for r in q))
         if self.shaped:
-            self.rem_chunk = min(self.rem_chunk, s.policy.busy_prefill_tokens)
+            self.rem_chunk = min(self.rem_chunk, budget)
         self.reserved = sum(est_new(r) for r in s.running) * s.new_token_ratio
         self.joins: list[Req] = []  # requests whose last chunk is in this batch and that will decode after it
 
