@@ -50,9 +50,9 @@ which the caller runs its usual way.
 
 A fork (a last step with `branches`: each branch a list of steps continuing from the text so far) spawns one child
 request per branch at the boundary, in the step that ended the parent's last call (`Continuation._fork`): the
-parent puts its computed KV into the radix tree and stays resident (`Scheduler.forking`, its prefix locked), and
-each child, a chain request of its own queued by the scheduler, matches that prefix as a select's choices do and
-runs its branch's chain; its segments stream to the parent's caller tagged with the branch, then its end
+parent puts its computed KV into the radix tree and waits (`Scheduler.forking`) without a row, and each child, a
+chain request of its own queued by the scheduler ahead of the queue, matches that prefix as a select's choices
+do and runs its branch's chain; its segments stream to the parent's caller tagged with the branch, then its end
 (`stopped_at`, meta info). The parent finishes when every child has; aborted or failed, it takes its children
 with it, and a child's abort or failure fails the parent (the instance), never another request.
 
@@ -436,8 +436,8 @@ class Continuation:
 
     def _fork(self, r: Req, text: str, step: ChainStep, at: int, limit: int) -> bool:
         """Spawn one child request per branch of the fork `step` after `text` (module docstring); r waits for
-        them in `forking`, its computed KV in the tree. False (r ends, `stopped_at` the fork, which its caller
-        runs its own way) where a branch's prompt is past the context."""
+        them in `forking`, its computed KV in the tree and no row of its own. False (r ends, `stopped_at` the
+        fork, which its caller runs its own way) where a branch's prompt is past the context."""
         s, chain = self.s, r.chain
         children = []
         for b, steps in enumerate(step.branches):
@@ -454,15 +454,15 @@ class Continuation:
         chain.text, chain.at, chain.children = text, at, children
         if r in s.running:
             s.running.remove(r)
-        if r.row >= 0:
-            s.memory.truncate(r, r.kv_done)  # (a slot of a step in flight, with overlap)
-            r.epoch += 1
-            s.memory.cache_unfinished(r)  # the children find r's computed prefix in the tree, locked by r
+        # r's computed KV goes to the tree, where the children (queued first, below) find it, as the most recently
+        # used prefix; r gives up its row, which a parent waiting for its children must not hold: parents holding
+        # every row would leave none to their children
+        s.memory.release(r)
         s.forking.append(r)
         s.stats["continuations"] += 1
         s.stats["forked_branches"] += len(children)
-        for child in children:
-            s.add(child)
+        for b, child in enumerate(children):
+            s.add(child, at=b)
         return True
 
     def branch_done(self, child: Req) -> None:

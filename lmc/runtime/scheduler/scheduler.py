@@ -134,7 +134,8 @@ class Scheduler:
         return kept
 
     # ---- front ---------------------------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
+    def add(self, req: Req, at: int | None = None) -> None:
+        """Queue `req` (at position `at` of the queue: a fork's branches go first; else last)."""
         if req.chain is not None and req.chain.at < 0:
             # A chain whose first step is a select of multi-token choices: its choices' requests are queued now and
             # share the prompt in their batch (continuation.py); no prefill of the prompt of its own.
@@ -155,7 +156,7 @@ class Scheduler:
             return
         if self.cfg.match_drop_rate and self._rng.random() < self.cfg.match_drop_rate:
             self.no_match.add(req)
-        self.waiting.append(req)
+        self.waiting.insert(len(self.waiting) if at is None else at, req)
 
     @property
     def shares_prefixes_in_batch(self) -> bool:
