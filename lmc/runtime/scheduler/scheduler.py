@@ -19,7 +19,7 @@ host learns them.
 Chains (continuation.py): a chain request whose call ends goes on to its next call instead of finishing
 (`finish`): it waits in `continuing`, resident with its KV, until its next prefill chunk is scheduled (before the
 queue, without admission or match), or in `parked` while the child requests scoring its select's choices run,
-or in `forking` while its fork's branches run as child requests.
+or in `forking` (its KV in the tree, no row of its own) while its fork's branches run as child requests.
 
 Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
 for are singled out; those alone finish with an error (`Req.error`), the rest of the batch is processed as usual.
@@ -94,7 +94,7 @@ class Scheduler:
         # Chain requests between two calls (continuation.py): resident, their next prefill chunk not yet scheduled.
         self.continuing: list[Req] = []
         self.parked: list[Req] = []  # chain requests waiting for their select's choice children (resident)
-        self.forking: list[Req] = []  # chain requests waiting for their fork's branch children (resident)
+        self.forking: list[Req] = []  # chain requests waiting for their fork's branch children (no row: KV in the tree)
         self._inflight: _InFlight | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
         self.out: list[Req] = []  # the requests the step under way made progress on
@@ -436,7 +436,7 @@ class Scheduler:
     # ---- invariants ----------------------------------------------------------------------------------------
     def resident(self) -> list[Req]:
         """Requests holding KV: running, the chunked one, and any whose only forward is still in flight."""
-        out = list(self.running) + [r for r in self.continuing + self.parked + self.forking if r.row >= 0]
+        out = list(self.running) + [r for r in self.continuing + self.parked if r.row >= 0]
         if self.chunked is not None and self.chunked not in out:
             out.append(self.chunked)
         f = self._inflight
