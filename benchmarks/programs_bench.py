@@ -50,7 +50,8 @@ def workloads():
 TARGETS = {"chain6": 0.6, "tree_of_thought": 0.8, "judge": 0.8, "react_agent": 0.8}
 
 
-ENGINE_COUNTS = ("forwards", "prefill_forwards", "decode_forwards", "computed_tokens", "fused_selects")
+ENGINE_COUNTS = ("forwards", "prefill_forwards", "decode_forwards", "computed_tokens", "fused_selects",
+                 "forked_branches")
 
 
 def engine_counts(ep) -> dict:

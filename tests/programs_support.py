@@ -1,5 +1,5 @@
 """The programs and instruments shared by tests/test_programs_api.py and benchmarks/programs_bench.py: the chain
-of 6 short gens and selects (the issue's static workload), a small forked program, and test doubles counting
+of 6 short gens and selects (the issue's static workload), small forked programs, and test doubles counting
 HTTP requests on either side of the wire."""
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ def chain(s, topic):
 @lmc.function
 def forked(s, topic):
     s += "Topic: " + topic + "\n"
+    forks = s.fork(2)
+    for k, f in enumerate(forks):
+        f += f"Idea {k}:" + lmc.gen("idea", max_tokens=6, stop="\n")
+    forks.join()
+    s += "Best idea:" + lmc.gen("best", max_tokens=6, stop="\n")
+
+
+@lmc.function
+def forked_after_gen(s, topic):
+    """A fork after a gen: on lmc's engine its branches are child requests of the chain's (engine-side forks)."""
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("fact", max_tokens=6, stop="\n") + "\n"
     forks = s.fork(2)
     for k, f in enumerate(forks):
         f += f"Idea {k}:" + lmc.gen("idea", max_tokens=6, stop="\n")

@@ -3,7 +3,10 @@ program's run of gens and selects between host breaks is one engine request, and
 run gives at temperature 0 (stop strings, max tokens, a regex, selects scored by token ids and by choice
 children, selects fused with the gen after them, in a small forward by ids too, forks); each call's result
 streams as it finishes; a malformed chain is refused naming the step; an aborted chain gives up its KV; a select
-scored by ids shares its prompt with the requests queued behind it at once."""
+scored by ids shares its prompt with the requests queued behind it at once. A fork after a chain's call spawns its
+branches as child requests in the same step (no forward lost while other work runs), with the same outputs
+under every policy, continuation on and off; aborting the instance frees its branches, and a failing branch
+fails its instance alone."""
 import asyncio
 import re
 import threading
@@ -12,8 +15,9 @@ import pytest
 
 import lmc
 from lmc.protocol import token_length_normalized, unconditional_likelihood_normalized
-from lmc.runtime import RequestError, continuation
+from lmc.runtime import EngineError, RequestError, continuation
 
+from doubles import FaultyForward
 from programs_support import chain
 
 
@@ -35,6 +39,31 @@ def forked(s, topic):
                            + " because" + lmc.gen("why", max_tokens=5, stop="."))
     forks.join()
     s += lmc.user("Summary?") + lmc.assistant(lmc.gen("summary", max_tokens=5))
+
+
+@lmc.function
+def gen_then_fork(s, topic):
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("fact", max_tokens=4, stop="\n")
+    forks = s.fork(2)
+    for k, f in enumerate(forks):
+        f += f"\nIdea {k}:" + lmc.gen("idea", max_tokens=3 + 3 * k)
+        f += "\nGood? " + lmc.select("good", choices=["yes", "no"])
+    forks.join()
+    s += "\nBest:" + lmc.gen("best", max_tokens=3)
+
+
+@lmc.function
+def nested(s, topic):
+    # a fork in each branch, after its gen: the short plan's solutions start while the long plan still decodes
+    s += "Topic: " + topic + "\n"
+    plans = s.fork(2)
+    for i, f in enumerate(plans):
+        f += f"Plan {i}:" + lmc.gen("plan", max_tokens=2 + 4 * i, ignore_eos=True)
+        sols = f.fork(2)
+        for j, g in enumerate(sols):
+            g += f"\nSolution {j}:" + lmc.gen("solution", max_tokens=6 - 4 * i, ignore_eos=True)
+        sols.join()
+    plans.join()
 
 
 @lmc.function
@@ -215,6 +244,12 @@ def test_each_call_streams_as_it_finishes(engine):
     ([{"text": "a", "choices": []}], "chain step 0: choices"),
     ([{"text": "", "gen": {}}], "chain step 0: its text is the prompt"),
     ([{"text": "a", "gen": {}, "speed": 3}], "unknown field(s): ['speed']"),
+    ([{"text": "a", "gen": {}}, {"text": "", "branches": [[{"text": "b", "gen": {}},
+                                                           {"text": "", "branches": [[{"text": "c", "gen": {}}]]}]]}],
+     "chain step 1 branch 0 step 1: a fork is a chain's last step"),
+    ([{"text": "a", "gen": {}}, {"text": "", "branches": []}], "chain step 1: branches must be"),
+    ([{"text": "a", "gen": {}}, {"text": "", "branches": [[{"text": "b", "gen": {"top_k": -5}}]]}],
+     "chain step 1 branch 0 step 0: invalid sampling parameter top_k"),
     (["a"], "chain step 0: must be a ChainStep"),
 ])
 def test_malformed_chain_is_refused_naming_the_step(engine, steps, message):
@@ -309,3 +344,91 @@ def test_a_select_scored_by_ids_shares_its_prompt_at_once(engine, monkeypatch):
     _, behind = asyncio.run(together())
     assert ended[int(behind["meta_info"]["id"])] - before == 2  # the chain's first forward, then its own
     assert behind["meta_info"]["cached_tokens"] >= len(engine.tokenizer.encode(text)) - 2
+
+
+@pytest.mark.parametrize("program", [gen_then_fork, nested])
+def test_forks_after_a_call_are_child_requests_with_the_same_outputs_under_every_policy(local, engine, program):
+    be, counted = local
+    sched = engine.scheduler
+    before_policy, outs = sched.cfg.policy, {}
+    try:
+        for policy in ("program", "lpm", "dfs-weight", "fcfs"):
+            sched.cfg.policy = policy
+            for on in (True, False):
+                counted.count, forked = 0, engine.stats()["forked_branches"]
+                st = _run(program, be, engine, on, topic="the moon")
+                outs[policy, on] = (st.variables(), st.text())
+                if on:  # the branches after a call were the engine's own requests: none reached its inbox
+                    assert engine.stats()["forked_branches"] - forked == (2 if program is gen_then_fork else 4)
+                    # the parent's chain and the gen after the join; the two plans' chains (and, where the policy
+                    # shares no prefix in a batch, the outer fork's prefill hint: Fork.prefill)
+                    assert counted.count == (2 if program is gen_then_fork else 2 + (policy == "fcfs"))
+    finally:
+        sched.cfg.policy = before_policy
+    assert all(v == outs["program", False] for v in outs.values()), outs
+
+
+G2 = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+
+def _fork_steps(long: int = 2):
+    return [{"text": "Topic: the sea\nFact:", "gen": G2},
+            {"text": "", "branches": [[{"text": f"\n{word}:", "gen": G2},  # (no shared text: no in-batch dedup)
+                                       {"text": "\nMore:", "gen": {**G2, "max_new_tokens": long}}]
+                                      for word in ("Red", "Blue")]}]
+
+
+def test_a_forks_branches_start_in_the_next_forward_while_others_run(engine, monkeypatch):
+    """The parent's last call ends in forward F: its branches are queued in that step and prefill in F + 1 (mixed
+    with the other request's decode), not a forward later as branches submitted from the frontend would be."""
+    sched = engine.scheduler
+    ended = {}  # request id -> forwards run when each of its calls ended
+    monkeypatch.setattr(sched, "on_call_end", lambda r, reason: ended.setdefault(r.rid, []).append(
+        sched.stats["forwards"]))
+    busy = engine.submit("Count slowly:", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    out = engine.submit_chain(_fork_steps()).result(timeout=120)
+    busy.result(timeout=120)
+    parent = int(out["meta_info"]["id"])
+    children = [rid for rid in ended if rid not in (parent, int(busy.rid))]
+    assert len(children) == 2 and [s["index"] for s in out["segments"]] == [0]
+    for rid in children:  # 2 tokens, 2 tokens: its first forward right after the parent's end
+        assert ended[rid][0] - ended[parent][0] == 2 and ended[rid][1] - ended[rid][0] == 2
+    alone = engine.generate("Topic: the sea\nFact:", G2)["text"]
+    assert out["segments"][0]["text"] == alone
+
+
+def test_branch_segments_stream_tagged_then_their_end(engine):
+    async def consume():
+        return [item async for item in engine.async_chain(_fork_steps())]
+
+    items = asyncio.run(consume())
+    assert "index" in items[0] and "branch" not in items[0]
+    for b in (0, 1):
+        mine = [it for it in items if it.get("branch") == b]
+        assert [it.get("index", "end") for it in mine] == [0, 1, "end"] and mine[-1]["stopped_at"] is None
+    assert "segments" in items[-1] and "branch" not in items[-1]  # the parent's result, after every branch's end
+
+
+def test_aborted_fork_frees_its_branches(engine):
+    seen = threading.Event()
+    fut = engine.submit_chain(_fork_steps(long=400), on_segment=lambda seg: "branch" in seg and seg.get("index") == 0
+                              and seen.set())
+    assert seen.wait(120)
+    engine.abort(fut.rid)
+    out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    load = engine.load()
+    assert load["request_owned_slots"] == 0 and load["resident_requests"] == 0 and not engine.scheduler.forking
+
+
+def test_a_failing_branch_fails_its_instance_alone(engine, tokenizer, monkeypatch):
+    other = [{"text": "Topic: the hills\nFact:", "gen": {**G2, "max_new_tokens": 6}}]
+    alone = engine.submit_chain(other).result(timeout=120)["segments"][0]["text"]
+    fault = FaultyForward(engine.runner.launch, lambda r, sb: r.fork_parent is not None and r.chain.branch == 1)
+    monkeypatch.setattr(engine.runner, "launch", fault)
+    futs = [engine.submit_chain(_fork_steps(long=6)), engine.submit_chain(other)]
+    with pytest.raises(EngineError, match="injected fault"):
+        futs[0].result(timeout=120)
+    assert futs[1].result(timeout=120)["segments"][0]["text"] == alone
+    monkeypatch.undo()
+    assert fault.raised >= 1 and engine.load()["request_owned_slots"] == 0 and not engine.scheduler.forking

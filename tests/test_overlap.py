@@ -197,3 +197,38 @@ def test_fork_branches_wait_for_the_commit_in_flight(overlapped):
 
     cached, _, n_prompt = fork_branches(overlapped)
     assert all(c >= n_prompt for c in cached[1:]), (cached, n_prompt)
+
+
+def test_chains_and_their_forks_match(plain, overlapped):
+    """Engine-side continuation under overlap: a compiled program's chains (a select scored by ids, a fork whose
+    branches are child requests of the chain, spawned while the next step is in flight) give the outputs of the
+    engine without overlap, and leave no KV behind."""
+    import lmc
+    from test_continuation import gen_then_fork, nested
+
+    for program in (gen_then_fork, nested):
+        compiled = program.compile()
+        got, want = (compiled.run(topic="the sea", backend=lmc.Local(engine=e), temperature=0) for e in
+                     (overlapped, plain))
+        assert got.error() is None and got.variables() == want.variables() and got.text() == want.text()
+    assert overlapped.stats()["forked_branches"] >= 6
+    assert overlapped.load()["request_owned_slots"] == 0 and not overlapped.scheduler.forking
+
+
+def test_forks_of_many_instances_on_a_tiny_engine(tight, plain):
+    """12 instances forking 2 branches each after a gen, on an engine of 6 running requests and a pool of 160
+    slots (eviction, retraction): all finish, with the outputs of the roomy engine, and leave no KV behind."""
+    import lmc
+    from test_continuation import gen_then_fork
+
+    compiled, topics = gen_then_fork.compile(), [{"topic": f"the number {i}"} for i in range(12)]
+    done, forked = [], tight.stats()["forked_branches"]
+    worker = threading.Thread(target=lambda: done.append(compiled.run_batch(topics, backend=lmc.Local(engine=tight),
+                                                                            temperature=0)), daemon=True)
+    worker.start()
+    worker.join(300)
+    assert done, "the instances did not finish"
+    assert tight.stats()["forked_branches"] - forked == 24  # every fork: the engine's child requests
+    want = compiled.run_batch(topics, backend=lmc.Local(engine=plain), temperature=0)
+    assert [s.variables() for s in done[0]] == [s.variables() for s in want]
+    assert tight.load()["request_owned_slots"] == 0 and not tight.scheduler.forking

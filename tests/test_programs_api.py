@@ -18,7 +18,7 @@ from lmc.server import ServerThread, create_app
 from lmc.server.programs_api import ProgramLimits
 
 from conftest import API_KEY as KEY
-from programs_support import CountingApp, chain, forked
+from programs_support import CountingApp, chain, forked, forked_after_gen
 from test_examples import load
 
 try:
@@ -57,15 +57,19 @@ def test_static_instance_is_one_request_and_matches_interpreted(counted):
     assert usage.calls >= 6 and usage.completion_tokens > 0
 
 
-def test_forks_and_batches_match_interpreted(counted):
+@pytest.mark.parametrize("program", [forked, forked_after_gen])
+def test_forks_and_batches_match_interpreted(counted, engine, program):
     srv, app, ep = counted
     topics = [{"topic": t} for t in ("rivers", "stars", "bread")]
-    interpreted = forked.run_batch(topics, backend=ep, temperature=0)
+    interpreted = program.run_batch(topics, backend=ep, temperature=0)
     app.paths.clear()
-    compiled = forked.compile().run_batch(topics, backend=ep, temperature=0)
+    forked_branches = engine.stats()["forked_branches"]
+    compiled = program.compile().run_batch(topics, backend=ep, temperature=0)
     # one request per instance, plus the batch's shared-prefix hint (a commit: compiled.py's batch_prefix)
     assert app.paths.count("/v1/programs") == 3 and app.paths.count("/generate") <= 1 and len(app.paths) <= 4
     assert [s.variables() for s in compiled] == [s.variables() for s in interpreted]
+    # a fork after a gen: its branches ran as child requests of the instance's chain in the engine
+    assert engine.stats()["forked_branches"] - forked_branches == (6 if program is forked_after_gen else 0)
 
 
 @lmc.function
@@ -372,6 +376,11 @@ def test_streaming_sends_each_variable_in_program_order_then_the_result(counted)
     *variables, result = _by_instance(_events(srv, body))[0]
     assert [(e["variable"], type(e["value"])) for e in variables] == [("idea", list), ("best", str)]
     assert {e["variable"]: e["value"] for e in variables} == result["variables"]
+    # ... also where they are the engine's child requests of the chain before the fork (engine-side forks)
+    body["program"] = print_graph(forked_after_gen.compile().graph())
+    *variables, result = _by_instance(_events(srv, body))[0]
+    assert [(e["variable"], type(e["value"])) for e in variables] == [("fact", str), ("idea", list), ("best", str)]
+    assert {e["variable"]: e["value"] for e in variables} == result["variables"]
 
 
 def test_a_variable_streams_as_the_engine_produces_it(counted):
@@ -417,12 +426,23 @@ def runaway(s, topic):
     s += "\nStory:" + lmc.gen("story", max_tokens=1500, ignore_eos=True)
 
 
-def test_hanging_up_mid_stream_aborts_the_instance(counted, engine):
-    """A client that hangs up after the first variable's event has the instance's engine chain aborted: decoding
-    stops long before the 1500 tokens it asked for, and no KV slot stays owned."""
+@lmc.function
+def runaway_fork(s, topic):
+    s += "Topic: " + topic + "\nFact:" + lmc.gen("first", max_tokens=4, stop="\n")
+    forks = s.fork(2)  # the engine's child requests of the chain: aborted with it
+    for k, f in enumerate(forks):
+        f += f"\nStory {k}:" + lmc.gen("story", max_tokens=1500, ignore_eos=True)
+    forks.join()
+
+
+@pytest.mark.parametrize("program, requests", [(runaway, 1), (runaway_fork, 3)])
+def test_hanging_up_mid_stream_aborts_the_instance(counted, engine, program, requests):
+    """A client that hangs up after the first variable's event has the instance's engine chain aborted (with
+    its fork's branches, the engine's child requests): decoding stops long before the 1500 tokens it asked for,
+    and no KV slot stays owned."""
     srv, _, _ = counted
     before = engine.stats()
-    body = {"program": print_graph(runaway.compile().graph()), "arguments": [{"topic": "tea"}], "stream": True,
+    body = {"program": print_graph(program.compile().graph()), "arguments": [{"topic": "tea"}], "stream": True,
             "sampling": {"temperature": 0}}
     with httpx.stream("POST", srv.url + "/v1/programs", json=body, headers=HEADERS, timeout=300) as s:
         first = next(json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:"))
@@ -430,11 +450,11 @@ def test_hanging_up_mid_stream_aborts_the_instance(counted, engine):
     deadline = time.monotonic() + 60
     # (between its two calls the chain is neither running nor waiting: wait for the abort itself, then for no
     # request to hold the engine)
-    while engine.stats()["aborted"] == before["aborted"] or engine.load()["resident_requests"]:
+    while engine.stats()["aborted"] < before["aborted"] + requests or engine.load()["resident_requests"]:
         assert time.monotonic() < deadline, f"the chain was not aborted: {engine.load()}"
         time.sleep(0.01)
     st, load = engine.stats(), engine.load()
-    assert st["aborted"] == before["aborted"] + 1
+    assert st["aborted"] == before["aborted"] + requests
     assert st["decode_forwards"] - before["decode_forwards"] < 300
     assert load["request_owned_slots"] == 0 and load["waiting_requests"] == 0
     assert load["free_slots"] + load["cached_slots"] == load["total_slots"]

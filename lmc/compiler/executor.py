@@ -95,7 +95,7 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
             return None
         stream.hints = None  # only a generate or score has hints (a fork's prefill hint, say, is no program call)
         try:
-            if chains and isinstance(op, CHAIN_START) and (ran := await run_chain(plan, ops, i, stream, args)):
+            if chains and isinstance(op, CHAIN_START) and (ran := await run_chain(plan, ops, i, stream, args, forks)):
                 skip = ran - 1  # a run of calls as one engine request (lmc.compiler.chain)
             elif isinstance(op, Extend):
                 _extend(op.parts, args, stream)

@@ -22,7 +22,8 @@ class Capabilities:
         POST /v1/programs; lmc.compiler.remote).
     planned_speculation: `generate` takes `speculation=SpecStep`, and runs API speculation as a plan says.
     engine_chains: `chain(steps)` runs a chain of gens and single-token selects as one engine request that keeps
-        its KV between them (lmc.Local; lmc.runtime.continuation), streaming each step's result.
+        its KV between them, and a fork ending it as child requests on that KV (lmc.Local;
+        lmc.runtime.continuation), streaming each step's result (a branch's tagged with it).
     """
     images: bool = False
     token_id_selects: bool = False

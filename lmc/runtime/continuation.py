@@ -48,6 +48,14 @@ recomputing it, as a new request's prefix match would.
 A next prompt past the context ends the chain there: the result's `stopped_at` names the first step not run,
 which the caller runs its usual way.
 
+A fork (a last step with `branches`: each branch a list of steps continuing from the text so far) spawns one child
+request per branch at the boundary, in the step that ended the parent's last call (`Continuation._fork`): the
+parent puts its computed KV into the radix tree and waits (`Scheduler.forking`) without a row, and each child, a
+chain request of its own queued by the scheduler ahead of the queue, matches that prefix as a select's choices
+do and runs its branch's chain; its segments stream to the parent's caller tagged with the branch, then its end
+(`stopped_at`, meta info). The parent finishes when every child has; aborted or failed, it takes its children
+with it, and a child's abort or failure fails the parent (the instance), never another request.
+
 Each finished step's result (`segment`) is kept on the chain and streamed to the engine's caller as it finishes.
 """
 from __future__ import annotations
@@ -82,6 +90,7 @@ class ChainStep:
     method: Any = None
     program: Any = None  # the call's program hints (lmc.protocol.ProgramHints or its dict): Req.program during it
     grammar: Any = None  # the gen's GrammarMatcher, compiled when the chain is made (never on the scheduler thread)
+    branches: list[list["ChainStep"]] | None = None  # a fork (the last step, with no call of its own): its branches
 
 
 @dataclass
@@ -103,6 +112,9 @@ class Chain:
     # Latency fusion (latency_fusion) of the select running: its children go into one forward together, each
     # computing the text after the parent's KV, rather than one waiting a step to share it (in-batch dedup).
     latency_fused: bool = False
+    branch: int | None = None  # this chain is that branch of its parent's fork
+    children: list[Req] | None = None  # the fork's branch requests, once spawned
+    closed: bool = False  # (a branch) its end was handed to the caller
 
 
 def select_params(start: int, token_ids: list[int]) -> SamplingParams:
@@ -184,13 +196,21 @@ def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], lim
 def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
     """Validate the steps (RequestError naming the step and its field) and compile their grammars. `hints`:
     a step's program hints as ProgramHints (RequestError when malformed)."""
+    out = _steps(steps, vocab_size, limits, grammars, hints, "chain step ", fork=True)
+    if not out[0].text:
+        raise RequestError("chain step 0: its text is the prompt and must not be empty")
+    return Chain(out, out[0].text)
+
+
+def _steps(steps, vocab_size: int, limits: dict, grammars, hints, label: str, fork: bool) -> list[ChainStep]:
+    """make_chain's validation of a list of steps (a chain's, or a fork branch's: `fork`, whether it may fork)."""
     if not isinstance(steps, (list, tuple)) or not steps:
         raise RequestError("a chain is a non-empty list of steps (ChainStep, or dicts of its fields)")
     out = []
     for i, st in enumerate(steps):
-        where = f"chain step {i}"
+        where = f"{label}{i}"
         if isinstance(st, dict):
-            unknown = sorted(set(st) - {"text", "gen", "choices", "token_ids", "method", "program"})
+            unknown = sorted(set(st) - {"text", "gen", "choices", "token_ids", "method", "program", "branches"})
             if unknown or "text" not in st:
                 raise RequestError(f"{where}: a step has a text and a gen, or choices, token_ids and a method "
                                    f"(unknown field(s): {unknown})")
@@ -199,6 +219,16 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
             raise RequestError(f"{where}: must be a ChainStep (or a dict of its fields), got {type(st).__name__}")
         if not isinstance(st.text, str):
             raise RequestError(f"{where}: text must be a string, got {type(st.text).__name__}")
+        if st.branches is not None:
+            if not fork or i == 0 or i != len(steps) - 1 or st.text or st.gen is not None or st.choices is not None:
+                raise RequestError(f"{where}: a fork is a chain's last step after a call, with branches only "
+                                   "(no text, gen or choices), and a branch does not fork")
+            if not isinstance(st.branches, (list, tuple)) or not st.branches:
+                raise RequestError(f"{where}: branches must be a non-empty list of branches (lists of steps)")
+            out.append(ChainStep("", branches=[_steps(b, vocab_size, limits, grammars, hints,
+                                                       f"{where} branch {k} step ", fork=False)
+                                               for k, b in enumerate(st.branches)]))
+            continue
         try:
             program = hints(st.program)
         except RequestError as e:
@@ -225,9 +255,7 @@ def make_chain(steps, vocab_size: int, limits: dict, grammars, hints) -> Chain:
                                "alone (token_length_normalized or greedy_token_selection)")
         out.append(ChainStep(st.text, choices=list(st.choices), token_ids=ids and list(ids), method=st.method,
                              program=program))
-    if not out[0].text:
-        raise RequestError("chain step 0: its text is the prompt and must not be empty")
-    return Chain(out, out[0].text)
+    return out
 
 
 def start(r: Req, tokenizer, chain: Chain, limit: int) -> None:
@@ -249,8 +277,9 @@ def start(r: Req, tokenizer, chain: Chain, limit: int) -> None:
 
 def ran_a_call(r: Req) -> bool:
     """Whether r's end ends an LM call of its own: not a chain's select that its choices' children scored (they
-    ran the calls; r's ids are still its previous step's), nor a first select whose children never ran."""
-    return r.chain is None or (r.chain.at >= 0 and r.chain.scored is None)
+    ran the calls; r's ids are still its previous step's), nor a first select whose children never ran, nor a
+    forked parent's end (its branches ran the calls)."""
+    return r.chain is None or (r.chain.at >= 0 and r.chain.scored is None and r.chain.children is None)
 
 
 class Continuation:
@@ -282,8 +311,10 @@ class Continuation:
         """r's step ended with `reason` and output `text`. Record its segment; if another step follows and can
         run, set r up for it and return True (r goes on); else False (r finishes now)."""
         chain, s = r.chain, self.s
-        if reason.get("type") not in ("stop", "length"):
-            return False  # aborted or failed: the call did not finish (its partial output is the request's result)
+        if reason.get("type") not in ("stop", "length") or chain.children is not None:
+            # aborted or failed: the call did not finish (its partial output is the request's result); a forked
+            # parent ends with its branches
+            return False
         if chain.at < 0:  # a first select's children not queued yet: no step of the caller's ran
             seg = {"text": ""}
         else:
@@ -294,8 +325,10 @@ class Continuation:
             return False
         step = chain.steps[nxt_at]
         new_text = chain.text + seg["text"] + step.text
-        ids = s.tokenizer.encode(new_text)
         limit = min(s.context_length, s.memory.slots.num_slots)
+        if step.branches is not None:
+            return self._fork(r, new_text, step, nxt_at, limit)
+        ids = s.tokenizer.encode(new_text)
         if len(ids) >= limit:
             chain.stopped_at = nxt_at
             return False
@@ -400,6 +433,57 @@ class Continuation:
         s.parked.append(r)
         s.stats["continuations"] += 1
         return True
+
+    def _fork(self, r: Req, text: str, step: ChainStep, at: int, limit: int) -> bool:
+        """Spawn one child request per branch of the fork `step` after `text` (module docstring); r waits for
+        them in `forking`, its computed KV in the tree and no row of its own. False (r ends, `stopped_at` the
+        fork, which its caller runs its own way) where a branch's prompt is past the context."""
+        s, chain = self.s, r.chain
+        children = []
+        for b, steps in enumerate(step.branches):
+            sub = Chain(steps, text + steps[0].text, branch=b)
+            ids = s.tokenizer.encode(sub.text)
+            if len(ids) >= limit:
+                chain.stopped_at = at
+                return False
+            child = Req(ids, SamplingParams(), program=steps[0].program if steps[0].program is not None
+                        else r.program)
+            start(child, s.tokenizer, sub, limit)
+            child.fork_parent, child.on_progress = r, r.on_progress
+            children.append(child)
+        chain.text, chain.at, chain.children = text, at, children
+        if r in s.running:
+            s.running.remove(r)
+        # r's computed KV goes to the tree, where the children (queued first, below) find it, as the most recently
+        # used prefix; r gives up its row, which a parent waiting for its children must not hold: parents holding
+        # every row would leave none to their children
+        s.memory.release(r)
+        s.forking.append(r)
+        s.stats["continuations"] += 1
+        s.stats["forked_branches"] += len(children)
+        for b, child in enumerate(children):
+            s.add(child, at=b)
+        return True
+
+    def branch_done(self, child: Req) -> None:
+        """A fork's child finished (it has given up its KV): the last one finishes the parent; an aborted one
+        fails it (and with it the other children)."""
+        parent = child.fork_parent
+        if parent.finished or parent not in self.s.forking:
+            return  # (ended meanwhile)
+        if child.finish_reason.get("type") == "abort":
+            self.s.finish(parent, child.finish_reason)
+        elif all(c.finished for c in parent.chain.children):
+            self.s.finish(parent, {"type": "stop", "matched": None})
+        else:
+            return
+        self.s.out.append(parent)
+
+    def end_branches(self, r: Req) -> None:
+        """r (a forked parent) ended before its children did (aborted, failed): abort what is left of them."""
+        for child in r.chain.children:
+            if not child.finished:
+                self.s.abort(child.rid)
 
     def child_done(self, child: Req) -> None:
         """A choice's child finished: keep its logprobs; the last one decides, and the parent goes on."""

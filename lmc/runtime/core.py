@@ -221,6 +221,7 @@ class Req:
     chain: Any = None  # continuation.Chain: the LM calls this one request runs in a row (None: a single call)
     parent: Any = None  # the chain request whose select this one scores (one choice: `choice`), queued by the engine
     choice: int = -1
+    fork_parent: Any = None  # the chain request whose fork this one is a branch of (continuation.py), engine-queued
     # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was
     # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
     jump_forward_tokens: int = 0

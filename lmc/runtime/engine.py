@@ -541,8 +541,19 @@ class Engine:
     def _deliver(self, r: Req) -> None:
         """Hand a request's progress to its stream, and its result (or the error it failed with) to its future
         once finished."""
+        if r.fork_parent is not None:  # a fork's branch (the engine's own): its progress goes to its parent's stream
+            if r.on_progress is not None and r.error is None:
+                try:
+                    r.on_progress(r)
+                except Exception as e:  # the parent's stream is broken: stop the parent (and its branches)
+                    log.error("the stream of request %s failed; aborting it", r.fork_parent.rid, exc_info=e)
+                    if self.scheduler.abort(r.fork_parent.rid) is not None:
+                        self._deliver(r.fork_parent)
+            return
         if r.parent is not None or r not in self._futures:  # a select's choice (the engine's own), or delivered
             return
+        for child in (r.chain.children or ()) if r.chain is not None else ():
+            self._deliver(child)  # a forked parent's branches first: their last progress precedes its result
         if r.error is not None:
             self._futures.pop(r).set_exception(EngineError(f"request {r.rid} failed in the engine: {r.error}"))
             return
@@ -642,7 +653,8 @@ def _token_ids(ids) -> list[int]:
 
 
 class _Segments:
-    """A chain request's progress callback: hands each newly finished step's result to `push`, in order."""
+    """A chain request's progress callback: hands each newly finished step's result to `push`, in order; a fork
+    branch's (the parent's callback) tagged with its `branch`, then its end (`stopped_at`, meta info)."""
 
     def __init__(self, push):
         self.push = push
@@ -652,7 +664,10 @@ class _Segments:
         while chain.emitted < len(chain.segments):
             seg = chain.segments[chain.emitted]
             chain.emitted += 1
-            self.push(seg)
+            self.push(seg if chain.branch is None else {**seg, "branch": chain.branch})
+        if chain.branch is not None and r.finished and not chain.closed:  # a fork's branch ended: how far it ran
+            chain.closed = True
+            self.push({"branch": chain.branch, "stopped_at": chain.stopped_at, "meta_info": r.meta_info()})
 
 
 class _Deltas:

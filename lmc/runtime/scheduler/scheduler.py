@@ -18,7 +18,8 @@ host learns them.
 
 Chains (continuation.py): a chain request whose call ends goes on to its next call instead of finishing
 (`finish`): it waits in `continuing`, resident with its KV, until its next prefill chunk is scheduled (before the
-queue, without admission or match), or in `parked` while the child requests scoring its select's choices run.
+queue, without admission or match), or in `parked` while the child requests scoring its select's choices run,
+or in `forking` (its KV in the tree, no row of its own) while its fork's branches run as child requests.
 
 Failure isolation: a forward that raises is retried on halves of its batch (bisection) until the requests it fails
 for are singled out; those alone finish with an error (`Req.error`), the rest of the batch is processed as usual.
@@ -77,7 +78,7 @@ class Scheduler:
                       "mixed_forwards": 0, "jumps": 0, "jump_forward_tokens": 0, "retokenized_tokens": 0,
                       "jump_seconds": 0.0, "canonical_checks": 0, "aborted": 0, "failed_forwards": 0,
                       "failed_requests": 0, "recoveries": 0, "stale_entries": 0,
-                      "continuations": 0, "fused_selects": 0}
+                      "continuations": 0, "fused_selects": 0, "forked_branches": 0}
         # Called on the scheduler thread with (r, reason) as each LM call ends: a request's, a chain's step's, a
         # select choice's child's; before a chain moves r on to its next step (benchmarks' per-call cache figures).
         self.on_call_end = None
@@ -93,6 +94,7 @@ class Scheduler:
         # Chain requests between two calls (continuation.py): resident, their next prefill chunk not yet scheduled.
         self.continuing: list[Req] = []
         self.parked: list[Req] = []  # chain requests waiting for their select's choice children (resident)
+        self.forking: list[Req] = []  # chain requests waiting for their fork's branch children (no row: KV in the tree)
         self._inflight: _InFlight | None = None
         self._early: list[Req] = []  # finished before their first forward (their whole output was forced)
         self.out: list[Req] = []  # the requests the step under way made progress on
@@ -121,7 +123,7 @@ class Scheduler:
         the tree are not trusted, so they are rebuilt (the prefix cache is lost). Queued requests hold no KV and
         stay queued (their matches are forgotten; one being admitted when the error struck loses its row with the
         pools); resident ones lose their KV and are dropped. Returns the requests still queued."""
-        kept = [r for r in self.waiting if not r.finished]
+        kept = [r for r in self.waiting if not r.finished and r.fork_parent is None]  # (a branch's parent is lost)
         self.reset()
         for r in kept:
             r.row, r.kv_len, r.kv_done, r.cache_protected_len, r.last_node = -1, 0, 0, 0, None
@@ -132,7 +134,8 @@ class Scheduler:
         return kept
 
     # ---- front ---------------------------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
+    def add(self, req: Req, at: int | None = None) -> None:
+        """Queue `req` (at position `at` of the queue: a fork's branches go first; else last)."""
         if req.chain is not None and req.chain.at < 0:
             # A chain whose first step is a select of multi-token choices: its choices' requests are queued now and
             # share the prompt in their batch (continuation.py); no prefill of the prompt of its own.
@@ -153,7 +156,7 @@ class Scheduler:
             return
         if self.cfg.match_drop_rate and self._rng.random() < self.cfg.match_drop_rate:
             self.no_match.add(req)
-        self.waiting.append(req)
+        self.waiting.insert(len(self.waiting) if at is None else at, req)
 
     @property
     def shares_prefixes_in_batch(self) -> bool:
@@ -171,7 +174,8 @@ class Scheduler:
         Returns the request, or None when no unfinished request has that id (it finished already: nothing to do)."""
         places = {"waiting": self.waiting, "running": self.running,
                   "in a chunked prefill": [self.chunked] if self.chunked is not None else [],
-                  "between two calls of its chain": self.continuing, "scoring a select's choices": self.parked}
+                  "between two calls of its chain": self.continuing, "scoring a select's choices": self.parked,
+                  "running its fork's branches": self.forking}
         hit = next(((where, r) for where, reqs in places.items() for r in reqs if str(r.rid) == str(rid)), None)
         if hit is None:
             return None
@@ -287,7 +291,7 @@ class Scheduler:
             self.memory.truncate(r, r.kv_done if keep is None else min(keep, r.kv_done))
         if r is self.chunked:
             self.chunked = None
-        for q in (self.running, self.waiting, self.continuing, self.parked):
+        for q in (self.running, self.waiting, self.continuing, self.parked, self.forking):
             if r in q:
                 q.remove(r)
         self.memory.release(r)
@@ -295,9 +299,12 @@ class Scheduler:
         r.finish_reason = {"type": "abort", "message": f"internal error: {r.error}"}
         self.stats["failed_requests"] += 1
         log.error("request %s failed inside a step; the other requests carry on", r.rid, exc_info=exc)
-        if r.parent is not None and not r.parent.finished:  # a select's choice: its chain fails with it
-            self._fail(r.parent, exc)
-            self.out.append(r.parent)
+        if r.chain is not None and r.chain.children is not None:  # a fork's parent: its branches end with it
+            self._continuation.end_branches(r)
+        for parent in (r.parent, r.fork_parent):  # a select's choice, a fork's branch: its chain fails with it
+            if parent is not None and not parent.finished:
+                self._fail(parent, exc)
+                self.out.append(parent)
 
     # ---- after the forward ---------------------------------------------------------------------------------
     def _process(self, sb: ScheduledBatch, out: StepOutput) -> list[Req]:
@@ -403,11 +410,15 @@ class Scheduler:
             return
         r.finished, r.finish_reason = True, reason
         self.no_match.discard(r)
-        for q in (self.running, self.continuing, self.parked):
+        for q in (self.running, self.continuing, self.parked, self.forking):
             if r in q:
                 q.remove(r)
         self.memory.release(r)
         r.text = text
+        if r.chain is not None and r.chain.children is not None:
+            self._continuation.end_branches(r)  # (none left, unless r was aborted or failed)
+        if r.fork_parent is not None:
+            self._continuation.branch_done(r)
         if r.parent is not None:
             self._continuation.child_done(r)
             if r.parent.finished or r.parent in self.continuing or r.parent in self.waiting:
