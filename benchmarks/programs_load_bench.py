@@ -276,7 +276,7 @@ def main() -> None:
         "instances_per_run": a.instances, "kv_tokens": a.kv_tokens,
         "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems,
         "mix": {k: v[2] for k, v in progs.items()}, "summary": summary, "targets": TARGETS,
-        "saturation_rate": float(top),
+        "saturation_rate": float(top), "plot": os.path.basename(os.path.splitext(a.out)[0] + ".png"),
         "same_variables_as_program_compiled": same_variables(runs, a.rates, a.systems),
         "runs": {r: {s: [{k: v for k, v in x.items() if k != "variables"} for x in xs] for s, xs in per.items()}
                  for r, per in runs.items()},

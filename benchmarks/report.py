@@ -726,7 +726,7 @@ def render_serving(r: dict, _dir: Path) -> str:
         command(r) + f" Run note: {r['note']}", "", table(["figure", "lmc serve", "vLLM-CPU"], rows)]) + "\n"
 
 
-@section("programs_load.json")
+@section("programs_load*.json")
 def render_programs_load(r: dict, _dir: Path) -> str:
     """programs_load_bench.py: program instances at Poisson rates, per policy and execution way, and vLLM-CPU."""
     rows = []
@@ -744,7 +744,8 @@ def render_programs_load(r: dict, _dir: Path) -> str:
     same = ", ".join(f"{s} {pct(v, 0, exact=True)}" for s, v in r["same_variables_as_program_compiled"].items()
                      if v is not None)
     return "\n".join([
-        "## Program instances under load: the program policy, compiled vs interpreted, and vLLM-CPU\n",
+        f"## Program instances under load, {r['instances_per_run']} per run: the program policy, compiled vs "
+        "interpreted, and vLLM-CPU\n",
         f"A mixed stream ({', '.join(f'{k} {v:.0%}' for k, v in r['mix'].items())}) of {r['instances_per_run']} "
         f"instances per run arriving at Poisson rates against `lmc serve` with a {r['kv_tokens']}-token KV pool "
         "(too small to keep every prefix), temperature 0. *compiled*: segments over POST /v1/programs with the "
@@ -754,7 +755,7 @@ def render_programs_load(r: dict, _dir: Path) -> str:
                                                  if r.get("program_server_busy_prefill_tokens") else "")
         + "; vLLM-CPU through lmc.OpenAI. Completion = done - scheduled arrival; "
         "throughput = instances / (last done - first arrival). Median (min-max) of "
-        f"{r['reps']} runs, systems alternating within each. Plot: programs_load.png.\n",
+        f"{r['reps']} runs, systems alternating within each. Plot: {r.get('plot', 'programs_load.png')}.\n",
         command(r) + f" Run note: {r['note']}", "",
         table(["rate (/s)", "system", "mean completion", "p90 completion", "throughput (/s)"], rows), "",
         f"program/compiled over lpm/interpreted, per run (targets: mean <= {t['mean_ratio']}, p90 <= "
