@@ -50,3 +50,9 @@ def test_short_work_goes_first_in_budgeted_forwards_that_keep_decoding(stepped, 
     assert short.forward_passes < long.forward_passes
     want = engine.generate(input_ids=list(prompts.values()), sampling_params=params)
     assert [r.output_ids for r in reqs.values()] == [w["output_ids"] for w in want]
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5])
+def test_a_bad_budget_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="busy_prefill_tokens must be a positive int"):
+        Engine(busy_prefill_tokens=bad, start=False)

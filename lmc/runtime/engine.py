@@ -89,6 +89,9 @@ class Engine:
         the same either way.
         `enable_continuation`: whether program backends (lmc.Local) run a chain of calls as one request
         (`submit_chain`, runtime/continuation.py); off, they make one request per call. Outputs are the same."""
+        if busy_prefill_tokens is not None and (not isinstance(busy_prefill_tokens, int) or busy_prefill_tokens < 1):
+            # (0 would never prefill while anything decodes)
+            raise ValueError(f"busy_prefill_tokens must be a positive int or None, got {busy_prefill_tokens!r}")
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
               "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
