@@ -5,7 +5,8 @@ through the request's row of the slot table (scheduler/cache.py owns the account
 - `kv_len`: positions with slots allocated, including those of forwards still in flight;
 - `kv_done`: positions whose KV a completed (collected) forward computed, `kv_done <= kv_len`; only these ever go
   into the radix tree;
-- `cache_protected_len <= kv_done`: the leading positions whose slots belong to the tree.
+- `cache_protected_len <= kv_done`: the leading positions whose slots belong to the tree;
+- `block_end`: positions [cache_protected_len, block_end) hold slots a shared block owns (borrowed, cache.py).
 Between steps without overlap, a decoding request has exactly one token (the last sampled one) without KV:
 `kv_done == kv_len == len(fill_ids) - 1`. With a step in flight, its next position is already allocated and its
 last token may still be on the device: `kv_len == len(fill_ids)`.
@@ -195,6 +196,10 @@ class Req:
     kv_done: int = 0
     cache_protected_len: int = 0
     last_node: Any = None  # radix node locked by this request (pins its path)
+    # Positions [cache_protected_len, block_end) of the row hold a SharedBlock's slots (scheduler/cache.py): a
+    # prefix another request's forward computes, borrowed before it reached the tree. 0: none.
+    block: Any = None
+    block_end: int = 0
     # Bumped whenever the request gives up its KV (finished, aborted, retracted, re-queued by a jump): a batch
     # entry scheduled under an older epoch is stale, and its output is dropped.
     epoch: int = 0

@@ -4,9 +4,17 @@ happens here, so the slot accounting is written once.
 Slot accounting invariant (`check()`, after every step in tests): each slot 1..num_slots is exactly one of
 - free (in the allocator),
 - owned by the radix tree (evictable or protected),
-- owned by a resident request: its row positions [cache_protected_len, kv_len).
+- owned by a resident request: its row positions [own_from(r), kv_len),
+- owned by a shared block (below), where the tree does not own it yet.
 Per resident request: cache_protected_len <= kv_done <= kv_len (core.Req), and its row's first
 cache_protected_len slots are the tree's slots for its first cache_protected_len tokens.
+
+Shared blocks (prefill.py: a request sharing the prompt of a prefill forward still in flight): the lender's new
+slots of that forward, [start, end) of its row, become a `SharedBlock`'s, and each borrower's row points at the
+part it shares (positions [cache_protected_len, block_end)), so it computes only the rest, in the next forward,
+which runs after the lender's on the device. A holder (lender or borrower) leaves the block once its own KV went
+to the tree (cache_unfinished) or when it lets go of its KV (release); the block locks the tree's copy of its
+prefix while holders remain, and the last to leave frees the block's slots that the tree did not take.
 
 Only KV that a completed forward computed (positions < kv_done) enters the tree: slots allocated for a forward
 still in flight are freed when their request lets go of them. Such a slot may be handed out again while the old
@@ -33,6 +41,23 @@ from ..radix_cache import RadixCache
 from .programs import ProgramLedger
 
 
+class SharedBlock:
+    """The slots of positions [start, end) of a lender's prompt (`key` = its tokens [0, end)), computed by its
+    forward in flight, shared by the holders still pointing at them."""
+
+    def __init__(self, lender: Req, start: int, end: int, slots: torch.Tensor):
+        self.lender, self.start, self.end, self.slots = lender, start, end, slots
+        self.key = tuple(lender.fill_ids[:end])
+        self.holders = 1  # the lender
+        self.computed = False  # the lender's forward was collected (a redo without it cannot fill the slots)
+        self.node = None  # tree node this block locks (its prefix, once a holder inserted it)
+
+
+def own_from(r: Req) -> int:
+    """The first position of r's row whose slot r owns (before: the tree's, then a shared block's)."""
+    return max(r.cache_protected_len, r.block_end)
+
+
 class CacheManager:
     def __init__(self, num_rows: int, context_length: int, num_slots: int, *, disabled: bool = False,
                  stats: dict | None = None):
@@ -43,6 +68,7 @@ class CacheManager:
         self.pending: list[tuple[int, int, torch.Tensor]] = []
         self.stats = stats if stats is not None else {"cache_seconds": 0.0}  # time spent in tree operations
         self.programs = ProgramLedger()
+        self.blocks: set[SharedBlock] = set()
 
     @property
     def room(self) -> int:
@@ -91,13 +117,62 @@ class CacheManager:
             r.kv_len += 1
         return positions, slots
 
+    def borrow(self, r: Req, lender: Req, start: int, end: int, upto: int) -> None:
+        """Point admitted r's positions [kv_len, upto) at the lender's slots there: the lender's forward in flight
+        computes positions [start, end) of the same tokens (prefill.py). r computes from `upto` on."""
+        b = lender.block
+        if b is None:
+            b = SharedBlock(lender, start, end, self.table[lender.row, start:end].long().clone())
+            lender.block, lender.block_end = b, end
+            self.blocks.add(b)
+        lo = r.kv_len
+        slots = b.slots[lo - b.start:upto - b.start]
+        self.table[r.row, lo:upto] = slots.to(torch.int32)
+        self.pending.append((r.row, lo, slots))
+        r.block, r.block_end, r.kv_len = b, upto, upto
+        b.holders += 1
+
+    def _leave(self, r: Req) -> None:
+        """r no longer points at its block's slots (its KV went to the tree, or it let go of it)."""
+        b, r.block, r.block_end = r.block, None, 0
+        if b is None:
+            return
+        b.holders -= 1
+        if b.holders:
+            self._guard(b)
+            return
+        self.blocks.discard(b)
+        if b.node is not None:
+            self.tree.unlock(b.node)
+        self.slots.free(b.slots[~self._in_tree(b)])
+
+    def _in_tree(self, b: SharedBlock) -> torch.Tensor:
+        """Which of b's slots the tree owns (a holder inserted them)."""
+        cached = self.tree.peek(b.key)[b.start:]
+        mine = torch.zeros(len(b.slots), dtype=torch.bool)
+        n = min(len(cached), len(b.slots))
+        mine[:n] = cached[:n] == b.slots[:n]
+        return mine
+
+    def _guard(self, b: SharedBlock) -> None:
+        """Lock the tree's copy of b's prefix while holders still point at it (eviction would free its slots)."""
+        if self.tree.disabled:
+            return
+        slots, node = self.tree.match(b.key)
+        if len(slots) > b.start and node is not b.node:
+            self.tree.lock(node)
+            if b.node is not None:
+                self.tree.unlock(b.node)
+            b.node = node
+
     def shared_prefix(self, reqs: list[Req]) -> int:
         """How many leading positions every request of a batch holds in the same slots (a radix-cache prefix they
         all matched): the decode attention can read those once for the batch. Only tree-owned positions, below
-        every request's cache_protected_len, can agree, and there agreement is prefix-closed (a tree slot at
-        position p implies the tree's path up to p), so a binary search over columns finds the end in
+        every request's cache_protected_len, and a shared block's, below its block_end, can agree, and there
+        agreement is prefix-closed (a tree slot at position p implies the tree's path up to p, a block's slot the
+        block's key), so a binary search over columns finds the end in
         O(B log n): unrelated prompts end at the first column, a batch on one prompt at the last."""
-        n = min((r.cache_protected_len for r in reqs), default=0)
+        n = min((own_from(r) for r in reqs), default=0)
         if len(reqs) < 2 or n == 0:
             return 0
         rows = torch.tensor([r.row for r in reqs])
@@ -137,10 +212,14 @@ class CacheManager:
     def truncate(self, r: Req, keep: int) -> None:
         """Drop r's KV past `keep` positions: free the slots r owns there (the tree's stay in the tree)."""
         if keep < r.kv_len:
-            lo = max(keep, r.cache_protected_len)
+            lo = max(keep, own_from(r))
             if lo < r.kv_len:
                 self.slots.free(self.table[r.row, lo:r.kv_len].long())
             r.kv_len, r.kv_done = keep, min(r.kv_done, keep)
+            if r.block is not None and keep < r.block_end:
+                r.block_end = max(keep, r.cache_protected_len)
+                if r.block_end <= r.cache_protected_len:
+                    self._leave(r)
 
     def release(self, r: Req) -> None:
         """Hand r's computed KV to the tree (duplicates of what the tree already holds are freed), free the slots
@@ -151,15 +230,16 @@ class CacheManager:
             return
         t0 = time.perf_counter()
         slots = self.table[r.row, :r.kv_len].long()
-        done, protected = r.kv_done, r.cache_protected_len
+        done, own = r.kv_done, own_from(r)
         if self.tree.disabled:
-            self.slots.free(slots)
+            self.slots.free(slots[own:])
         else:
             already = self.tree.insert(r.fill_ids[:done], slots[:done])
-            self.slots.free(slots[protected:already])
-            self.slots.free(slots[max(done, protected):])
+            self.slots.free(slots[own:already])
+            self.slots.free(slots[max(done, own):])
             self.tree.unlock(r.last_node)
             self._retain(r, done)
+        self._leave(r)
         self.rows.free(r.row)
         r.row, r.kv_len, r.kv_done, r.cache_protected_len, r.last_node = -1, 0, 0, 0, None
         self.stats["cache_seconds"] += time.perf_counter() - t0
@@ -185,14 +265,17 @@ class CacheManager:
         slots = self.table[r.row, :done].long()
         already = self.tree.insert(key, slots)
         canonical, node = self.tree.match(key)
-        if already > protected:
-            self.slots.free(slots[protected:already])
+        # Positions the tree already held: r's own slots there are duplicates (freed); a block's slots there are
+        # the tree's when a holder inserted them, else the block frees them when its last holder leaves.
+        if already > protected and not torch.equal(slots[protected:already], canonical[protected:already]):
+            self.slots.free(slots[own_from(r):already])
             adopted = canonical[protected:already]
             self.table[r.row, protected:already] = adopted.to(torch.int32)
             self.pending.append((r.row, protected, adopted))
         self.tree.lock(node)
         self.tree.unlock(r.last_node)
         r.last_node, r.cache_protected_len = node, done
+        self._leave(r)
         self.stats["cache_seconds"] += time.perf_counter() - t0
 
     def adopt(self, r: Req, key) -> int:
@@ -206,19 +289,21 @@ class CacheManager:
         n = len(slots)
         if n <= r.kv_len:
             return r.kv_len
-        self.slots.free(self.table[r.row, r.cache_protected_len:r.kv_len].long())
+        self.slots.free(self.table[r.row, own_from(r):r.kv_len].long())
         self.table[r.row, :n] = slots.to(torch.int32)
         self.pending.append((r.row, 0, slots))
         self.tree.lock(node)
         self.tree.unlock(r.last_node)
         r.last_node, r.cache_protected_len, r.kv_len, r.kv_done = node, n, n, n
+        self._leave(r)
         return n
 
     # ---- invariants --------------------------------------------------------------------------------------------
     def check(self, resident: list[Req]) -> None:
         """Every slot is exactly one of: free, in the tree, owned by a resident request (module docstring)."""
         self.tree.check()
-        owned = [self.table[r.row, r.cache_protected_len:r.kv_len].long() for r in resident]
+        owned = [self.table[r.row, own_from(r):r.kv_len].long() for r in resident]
+        owned += [b.slots[~self._in_tree(b)] for b in self.blocks]
         free = self.slots.free_slots()
         parts = [free, self.tree.slots(), *owned]
         every = torch.cat(parts)
@@ -229,6 +314,16 @@ class CacheManager:
         rows = [r.row for r in resident]
         assert len(set(rows)) == len(rows) and min(rows, default=1) >= 1, "a row is owned twice (or the dummy)"
         assert self.rows.available + len(rows) == self.rows.num_rows - 1, "a row is lost"
+        holders = dict.fromkeys(self.blocks, 0)
+        for r in resident:
+            b = r.block
+            if b is not None:
+                assert b in holders, "a request holds a retired block"
+                holders[b] += 1
+                assert torch.equal(self.table[r.row, r.cache_protected_len:r.block_end].long(),
+                                   b.slots[r.cache_protected_len - b.start:r.block_end - b.start]), \
+                    "a borrowed prefix disagrees with its block"
+        assert all(b.holders == n for b, n in holders.items()), "a block's holder count drifted"
         for r in resident:
             assert r.last_node is not None
             assert r.cache_protected_len <= r.kv_done <= r.kv_len <= r.seq_len, "KV lengths out of order"

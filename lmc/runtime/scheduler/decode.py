@@ -60,9 +60,16 @@ def schedule_decode(s: "Scheduler") -> ScheduledBatch | None:
 def retract(s: "Scheduler") -> Req:
     """Send the least-progressed running request back to the head of the queue (module docstring)."""
     victim = min(s.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-    s.running.remove(victim)
-    s.memory.release(victim)
-    victim.match_version = -1  # its token sequence grew since it last waited
-    s.waiting.insert(0, victim)
+    requeue(s, victim)
     s.stats["retractions"] += 1
     return victim
+
+
+def requeue(s: "Scheduler", r: Req) -> None:
+    """Send resident r back to the head of the queue: it gives up its KV (its computed part goes to the tree) and
+    is matched and admitted again."""
+    if r in s.running:
+        s.running.remove(r)
+    s.memory.release(r)
+    r.match_version = -1  # its token sequence may have grown since it last waited
+    s.waiting.insert(0, r)

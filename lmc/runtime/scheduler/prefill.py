@@ -11,7 +11,11 @@ while the budgets hold (SGLang's PrefillAdder):
 In-batch prefix dedup (cache-aware policies): a request whose usable prefix (match_limit) another request of this
 batch, the chunked request's later chunks, or the prefill forward still in flight (overlap) is about to compute
 waits a step, then hits the cache; except the choice children of a select's latency fusion (continuation.py),
-whose point is the forward saved. A batch of short jump-forward extends carries the running requests' decode
+whose point is the forward saved, and a request that shares the prompt of one request of the forward in flight
+(overlap: it computes that prompt from its cached prefix to its end): it borrows those slots (a shared block,
+cache.py) and computes only the rest, in the next forward, which the device runs after the one in flight. So a
+batch of programs on one long prefix is admitted while the first one's prefill runs, not after it (the GPU sat
+idle for that admission, ~18 ms for gpu_bench's 127 few-shot programs). A batch of short jump-forward extends carries the running requests' decode
 step too (mixing), so a jump costs no extra forward.
 
 Forward shaping (`SchedulerConfig.busy_prefill_tokens`, off by default; while program instances run): while
@@ -92,19 +96,22 @@ class PrefillAdder:
             if r.params.max_new_tokens > 0:
                 self.joins.append(r)
 
-    def try_admit(self, r: Req, ext: int, chunk: bool) -> bool:
+    def try_admit(self, r: Req, ext: int, chunk: bool, borrow: tuple | None = None) -> bool:
         """Give r a row and lock its cached prefix if its `ext` new tokens plus its expected outputs fit the
-        budget. On an idle engine the first request only needs its tokens to fit at all."""
+        budget. On an idle engine the first request only needs its tokens to fit at all. `borrow`: (lender,
+        start, end, upto): r's positions up to `upto` past its cached prefix are the lender's in-flight slots."""
         s, mem = self.s, self.mem
         idle = not len(self.batch) and not s.running
         mem.tree.lock(r.match_node)
         room = mem.room
         need = ext + (0 if chunk else est_new(r))
         if ((idle and ext <= room) or need <= room - self.reserved) and mem.admit(r):
-            # Prompt tokens served from the cache that r did not compute itself earlier. Output tokens found in the
-            # cache (after a jump-forward, another request may have cached the same forced text) are no prompt
-            # cache hit: cached_tokens <= prompt_tokens.
-            p = len(r.prefix_slots)
+            if borrow is not None:
+                mem.borrow(r, *borrow)
+            # Prompt tokens served from the cache (or a borrowed block) that r did not compute itself earlier.
+            # Output tokens found in the cache (after a jump-forward, another request may have cached the same
+            # forced text) are no prompt cache hit: cached_tokens <= prompt_tokens.
+            p = r.kv_len
             fresh = max(0, min(p, len(r.input_ids)) - r.computed_tokens)
             r.cached_tokens += fresh
             s.stats["cached_tokens"] += fresh
@@ -121,17 +128,40 @@ def _simulate(sim: RadixCache, key) -> None:
     sim.insert(key, _NO_SLOT.expand(len(key)))  # a view: the tree copies only the part it lacks
 
 
-def in_flight_prefixes(s: "Scheduler") -> RadixCache:
-    """A slot-less tree of the prefixes about to be computed, seeded with those of the prefill forward still in
-    flight (overlap): its KV enters the tree only once it is processed, after this batch is scheduled, so a
-    request sharing it waits for it as for a batch-mate."""
-    sim = RadixCache()
+def _codes(row: int, n: int) -> torch.Tensor:
+    """A lender's values in the in-flight tree: its row and each position (row 0, the dummy's, lends nothing)."""
+    return torch.arange(n, dtype=torch.int64) + (row << 32)
+
+
+def in_flight_prefixes(s: "Scheduler") -> tuple[RadixCache, dict[int, tuple[Req, int, int]]]:
+    """A tree of the prefixes about to be computed, seeded with those of the prefill forward still in flight
+    (overlap): its KV enters the tree only once it is processed, after this batch is scheduled. A request of that
+    forward that computes its prompt from its cached prefix to its end is a lender (its positions [start, end)):
+    its entries name its row and positions; every other entry is 0. Returns the tree and the lenders by row."""
+    sim, lenders = RadixCache(), {}
     f = s._inflight
-    if f is not None and not f.sb.is_decode:
-        for r, pre, ext, epoch in zip(f.sb.reqs, f.sb.prefix_lens, f.sb.extend_lens, f.sb.epochs):
-            if r.epoch == epoch:
-                _simulate(sim, r.fill_ids[:pre + ext])
-    return sim
+    if f is not None and not f.sb.is_decode and f.launch is not None and not f.redo:
+        riders = set(f.sb.from_buffer)
+        for i, (r, pre, ext, epoch) in enumerate(zip(f.sb.reqs, f.sb.prefix_lens, f.sb.extend_lens, f.sb.epochs)):
+            if r.epoch != epoch:
+                continue
+            key = r.fill_ids[:pre + ext]
+            if (i not in riders and r.block is None and pre == r.cache_protected_len and pre + ext == r.seq_len
+                    and r.kv_len == pre + ext):
+                sim.insert(key, _codes(r.row, len(key)))
+                lenders[r.row] = (r, pre, pre + ext)
+            else:
+                _simulate(sim, key)
+    return sim, lenders
+
+
+def _lender(lenders: dict, codes: torch.Tensor, matched: int) -> tuple[Req, int, int] | None:
+    """The in-flight request computing all of positions [matched, len(codes)) of a queued request's prompt."""
+    row = int(codes[matched]) >> 32
+    lend = lenders.get(row)
+    if lend is None or matched < lend[1] or not bool(((codes[matched:] >> 32) == row).all()):
+        return None
+    return lend
 
 
 def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
@@ -191,7 +221,7 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
     # A shaped prefill ranks the chunked prompt's next chunk with the queue; else it continues first.
     queue = s.waiting + [chunked] if add.shaped and chunked is not None else s.waiting
     order = s.policy.order(queue, s.policy_context) if not s.cache.disabled else list(queue)
-    sim = in_flight_prefixes(s) if s.shares_prefixes_in_batch else None
+    sim, lenders = in_flight_prefixes(s) if s.shares_prefixes_in_batch else (None, {})
     if sim is not None:
         for r in add.batch.reqs:  # the chains' next chunks, taken before the queue (_continue_chains)
             _simulate(sim, r.fill_ids[:r.kv_len])
@@ -210,21 +240,26 @@ def _admit(s: "Scheduler", add: PrefillAdder) -> None:
         if len(s.running) + len(add.batch) >= s.cfg.max_running or not s.memory.rows.available:
             break
         match(s, r)  # again: allocations for requests admitted before r may have evicted its old match
-        matched = len(r.prefix_slots)
+        matched, borrow = len(r.prefix_slots), None
         if sim is not None and sim.total_size:
             # only what r could take from the cache counts: positions whose logits r needs are recomputed anyway
-            shared = min(sim.prefix_len(r.fill_ids), match_limit(s, r))
+            limit = match_limit(s, r)
+            codes = sim.match(r.fill_ids[:limit])[0] if limit else torch.empty(0, dtype=torch.int64)
+            shared = len(codes)
             fused = r.parent is not None and r.parent.chain.latency_fused  # (a select's latency fusion)
             if shared - matched >= IN_BATCH_DEPRIORITIZE and not fused:
-                continue  # a request in this batch (or the forward in flight) computes it: share it next step
-        ext = r.seq_len - matched
+                lend = _lender(lenders, codes, matched)
+                if lend is None or r.seq_len - shared > add.rem_chunk:
+                    continue  # a request in this batch (or the forward in flight) computes it: share it next step
+                borrow = (*lend, shared)  # the forward in flight computes it: borrow its slots
+        ext = r.seq_len - (matched if borrow is None else borrow[-1])
         chunk = ext > add.rem_chunk
         if chunk and s.chunked is not None:
             if add.shaped:
                 continue  # one chunked request at a time; shorter prompts behind r may still fit
             break  # one chunked request at a time
         ext = min(ext, add.rem_chunk)
-        if not add.try_admit(r, ext, chunk):
+        if not add.try_admit(r, ext, chunk, borrow):
             break
         if chunk:
             s.chunked = r

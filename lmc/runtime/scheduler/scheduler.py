@@ -262,7 +262,13 @@ class Scheduler:
 
     def _run_sync(self, sb: ScheduledBatch) -> list[Req]:
         """Run `sb` now (launch, sample, collect), bisecting on failure; its stale entries are left out first
-        (their slots may belong to someone else by now)."""
+        (their slots may belong to someone else by now). So are borrowers of a block whose lender's forward was
+        never collected (it failed, or the lender let go of it before a redo): nothing would fill the slots they
+        read, so they go back to the queue."""
+        for r, e in zip(sb.reqs, sb.epochs):
+            b = r.block
+            if r.epoch == e and b is not None and b.lender is not r and not b.computed:
+                decode.requeue(self, r)
         live = [i for i, (r, e) in enumerate(zip(sb.reqs, sb.epochs)) if r.epoch == e]
         if len(live) < len(sb):
             sb = sb.select(live)
@@ -278,8 +284,9 @@ class Scheduler:
             if len(sb) == 1:
                 self._fail(sb.reqs[0], e, keep=sb.prefix_lens[0])
                 return sb.reqs
-            half = len(sb) // 2
-            return self._run(sb.select(list(range(half)))) + self._run(sb.select(list(range(half, len(sb)))))
+            half = len(sb) // 2  # (each half as a redo: a request failed in the first may strand one in the second)
+            return (self._run_sync(sb.select(list(range(half))))
+                    + self._run_sync(sb.select(list(range(half, len(sb))))))
         self._count(sb)
         return self._process(sb, out)
 
@@ -316,6 +323,8 @@ class Scheduler:
                 continue
             pre, ext = sb.prefix_lens[i], sb.extend_lens[i]
             r.kv_done = max(r.kv_done, pre + ext)  # the forward filled these slots
+            if r.block is not None and r.block.lender is r:
+                r.block.computed = True  # its borrowers' reads are sound, even in a redo
             r.computed_tokens = max(r.computed_tokens, pre + ext)
             r.forward_passes += 1
             self.stats["computed_tokens"] += ext
