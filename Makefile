@@ -36,8 +36,11 @@ example: setup
 graphviz:
 	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq graphviz >/dev/null; } || echo "graphviz not installed: the DOT rendering test will skip"
 
+# TEST_WORKERS=2: pytest-xdist workers, one test file per worker (module fixtures stay one per file); conftest
+# splits the cores between them. 0 (the default until a whole run with 2 is confirmed green) runs in-process.
+TEST_WORKERS ?= 0
 test: setup graphviz
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x --durations=15 tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # Every CPU benchmark (each rewrites its benchmarks/results/*.json; each takes minutes on 2 cores, more when the
 # machine is shared: the sizes are the recorded ones), then RESULTS.md, README's numbers and the plots from the

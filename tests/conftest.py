@@ -6,7 +6,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs 2 workers) the cores are split between the workers: 2 threads each on 2
+# cores would oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if not torch.cuda.is_available():  # CI has no GPU: Triton kernels run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
