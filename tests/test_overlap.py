@@ -190,9 +190,10 @@ def test_a_fault_surfacing_at_collect_fails_only_the_blamed_request(overlapped, 
     monkeypatch.undo()
 
 
-def test_fork_branches_wait_for_the_commit_in_flight(overlapped):
+def test_fork_branches_reuse_the_commit_in_flight(overlapped):
     """With overlap the branches deferred behind their commit are scheduled while the commit's forward is still in
-    flight, before its KV enters the tree: they wait for it too (scheduler/prefill.in_flight_prefixes)."""
+    flight, before its KV enters the tree: they borrow its slots (scheduler/cache.SharedBlock) instead of
+    recomputing the shared prompt, so every branch counts it as cached."""
     from test_in_batch_sharing import fork_branches
 
     cached, _, n_prompt = fork_branches(overlapped)
