@@ -455,11 +455,14 @@ class Engine:
         self.shutdown()
 
     def stats(self) -> dict[str, Any]:
+        """The scheduler's counters, with the queues and slots of the last published load: one snapshot, so a
+        reader on another thread never sees the queues of one moment beside the slots of another (an abort empties
+        `running` before the load that frees its slots is published)."""
         self._check_open()
-        s = self.scheduler
-        return {**s.stats, "busy_seconds": self.busy_seconds, "waiting": len(s.waiting), "running": len(s.running),
-                "free_slots": s.allocator.available, "cached_slots": s.cache.total_size,
-                "total_slots": self.max_total_tokens}
+        load = self._load
+        return {**self.scheduler.stats, "busy_seconds": self.busy_seconds, "waiting": load["waiting_requests"],
+                "running": load["running_requests"], "free_slots": load["free_slots"],
+                "cached_slots": load["cached_slots"], "total_slots": self.max_total_tokens}
 
     def load(self) -> dict[str, Any]:
         """KV slots by owner and the queues, as the scheduler thread last published them (after every step and
