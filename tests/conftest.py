@@ -29,6 +29,31 @@ def engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def plain(engine):
+    """The reference without overlap (test_overlap, test_shared_blocks): the session engine where overlap is off by
+    default (the CPU)."""
+    if not engine.scheduler.overlap:
+        yield engine
+        return
+    from lmc.runtime import Engine
+
+    eng = Engine(check_invariants=True, overlap_schedule=False, max_total_tokens=8192)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+    """An engine with overlap scheduling on, checking slot accounting after every step."""
+    from lmc.runtime import Engine
+
+    eng = Engine(check_invariants=True, overlap_schedule=True, max_total_tokens=8192)
+    assert eng.scheduler.overlap
+    yield eng
+    eng.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(engine):
     return engine.tokenizer

@@ -19,25 +19,6 @@ TEXT = ("The history of the city begins with a small fishing village on the rive
 
 
 @pytest.fixture(scope="module")
-def plain(engine):
-    """The reference without overlap: the session engine where overlap is off by default (the CPU)."""
-    if not engine.scheduler.overlap:
-        yield engine
-        return
-    eng = Engine(check_invariants=True, overlap_schedule=False, max_total_tokens=8192)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def overlapped():
-    eng = Engine(check_invariants=True, overlap_schedule=True, max_total_tokens=8192)
-    assert eng.scheduler.overlap
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tight():
     """Overlap on a KV pool of 160 slots, 16-token prefill chunks and at most 6 running requests."""
     eng = Engine(max_total_tokens=160, chunked_prefill_size=16, max_running_requests=6, check_invariants=True,

@@ -4,9 +4,6 @@ runs, so no decode step runs for that first request alone, and every output equa
 A borrower whose lender's forward fails before it filled the slots goes back to the queue and computes them."""
 from concurrent.futures import Future
 
-import pytest
-
-from lmc.runtime import Engine
 from lmc.runtime.runner import Launch
 
 HEADER = ("The history of the city begins with a small fishing village on the river. Over the centuries merchants "
@@ -14,20 +11,6 @@ HEADER = ("The history of the city begins with a small fishing village on the ri
 PROGRAMS = [HEADER + f"Question {i}: what did the merchants of the town build in year {1000 + 37 * i}?"
             for i in range(6)]
 PARAMS = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def plain():
-    eng = Engine(check_invariants=True, overlap_schedule=False, max_total_tokens=8192)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def overlapped():
-    eng = Engine(check_invariants=True, overlap_schedule=True, max_total_tokens=8192)
-    yield eng
-    eng.shutdown()
 
 
 def test_programs_on_one_prefix_borrow_the_first_ones_prefill(plain, overlapped):
