@@ -157,7 +157,7 @@ def test_run_batch_killed_mid_batch_resumes_without_loss_or_duplicates(tmp_path)
     calls, prog = tmp_path / "calls.txt", tmp_path / "slow.py"
     prog.write_text(SLOW_PROGRAM.format(calls=str(calls)))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    n = 30
+    n = 12
     inp.write_text("".join(json.dumps({"k": k}) + "\n" for k in range(n)))
     args = ["run-batch", prog, "-i", inp, "-o", out, "--num-threads", "2", *FAST]
 
