@@ -77,3 +77,41 @@ def test_argmax_rows_is_torch_max_index(ops):
     x[4, -1] = x[4].max() + 1  # the last column
     assert torch.equal(ops.argmax_rows(x), x.max(-1).indices)
     assert ops.argmax_rows(x[:, :37].contiguous()).tolist() == x[:, :37].max(-1).indices.tolist()
+
+
+def test_kernels_run_their_parallel_loops_on_torchs_threads(ops):
+    """The library is built with OpenMP: its at::parallel_for loops (the panel GEMM's panels, attention's work items,
+    long inputs' rows) are `omp parallel` regions on torch's intra-op threads. With -fopenmp-simd alone they compiled
+    to serial loops, and a decode step ran on one of the machine's cores."""
+    import os
+
+    from lmc.runtime.attention.cpu_kernel import build_dir
+
+    with open(os.path.join(build_dir(), "lmc_cpu_kernels", "lmc_cpu_kernels.so"), "rb") as f:
+        assert b"GOMP_parallel" in f.read()
+
+
+def test_threads_split_work_without_changing_a_bit(ops):
+    """Each thread computes whole outputs (a GEMM panel, an attention work item) as one thread would: the results
+    at 1 and 2 threads are identical, so outputs at temperature 0 do not depend on the thread count."""
+    from lmc.runtime.attention.cpu_kernel import load, panels
+
+    S, hq, hkv, d, b, pre = 4096, 9, 3, 64, 6, 120
+    k, v, q = rand(S, hkv, d, seed=1), rand(S, hkv, d, seed=2), rand(b, hq, d, seed=3)
+    table = torch.zeros(b + 1, 256, dtype=torch.int32)
+    table[1:, :pre + 1] = torch.randperm(S, generator=torch.Generator().manual_seed(4))[:b * (pre + 1)].view(
+        b, pre + 1).int()
+    args = (torch.arange(1, b + 1), torch.full((b,), pre), torch.ones(b, dtype=torch.long), torch.arange(b), d ** -0.5)
+    lib, before = panels(), torch.get_num_threads()
+    x, w = rand(64, 576, seed=5), rand(1536, 576, seed=6)
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((load()(q, k, v, table, *args),
+                         lib.panel_linear(x, lib.pack_panels(w), 1536, None) if lib is not None else None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0][0], outs[1][0])
+    if lib is not None:
+        assert torch.equal(outs[0][1], outs[1][1])
