@@ -151,7 +151,7 @@ def gemm_ms(rows: list[int], reps: int) -> dict:
 
     ops = panels()
     if ops is None:
-        raise SystemExit("--gemm: no panel GEMM on this machine (no AVX-512 or no C++ toolchain)")
+        raise SystemExit("--gemm: no panel GEMM on this machine (neither AVX-512 nor AVX2, or no C++ toolchain)")
     g = torch.Generator().manual_seed(0)
     groups = {"layers": [GEMM_SHAPES[n] for n in ("qkv", "o", "gate_up", "down")] * 30,
               "lm_head": [GEMM_SHAPES["lm_head"]]}

@@ -16,7 +16,7 @@ def layout(request, monkeypatch):
     if request.param == "onednn":
         monkeypatch.setattr(linear, "_panel_ops", lambda: None)
     elif linear._panel_ops() is None:
-        pytest.skip("no panel GEMM here (no AVX-512 or no C++ toolchain)")
+        pytest.skip("no panel GEMM here (neither AVX-512 nor AVX2, or no C++ toolchain)")
     return request.param
 
 
@@ -49,8 +49,8 @@ def test_panels_at_prefill_sizes_match_dense(monkeypatch):
     """The panel GEMM's blocking (chunks of rows, blocks of 64 k-rows, a partial last panel) at a prefill's row
     count, with the large-input switch to MKL moved out of the way; then that switch itself."""
     if linear._panel_ops() is None:
-        pytest.skip("no panel GEMM here (no AVX-512 or no C++ toolchain)")
-    lin = make(200, 170, True)  # K = 200: 4 k-blocks, the last partial
+        pytest.skip("no panel GEMM here (neither AVX-512 nor AVX2, or no C++ toolchain)")
+    lin = make(200, 170, True)  # K = 200: k-blocks of 64 (AVX-512) or 128 (AVX2), the last partial
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
     lin.prepack()
     x = torch.randn(1500, 200, generator=torch.Generator().manual_seed(3))  # > one chunk of rows (40 groups of 8)

@@ -3,7 +3,8 @@
 A decode step on the CPU is bound by reading the weights (fp32 SmolLM2-135M: 540 MB a step), and a plain
 `F.linear` hands MKL a row-major weight that it re-blocks on every call. `prepack_linears(model)` reorders each
 fp32 CPU weight once, into one of two layouts:
-- panels (AVX-512 CPUs, where the C++ library of attention/cpu_kernel.py has `panel_linear`): [N / 48, K, 48],
+- panels (AVX-512 and AVX2 CPUs, where the C++ library of attention/cpu_kernel.py has `panel_linear`): [N / P, K, P]
+  with P = 48 (AVX-512) or 16 (AVX2),
   run by that library's GEMM, which streams the weight from memory once per call. At decode batch sizes oneDNN's
   and MKL's kernels take two to five times its time on this machine (2 cores, AVX-512: benchmarks/cpu_speed.py
   --gemm). From LARGE_ROWS rows of x on (prefill chunks) MKL's GEMM on the dense weight is faster, so the dense
@@ -40,7 +41,7 @@ def prepack_supported(weight: torch.Tensor) -> bool:
 
 
 def _panel_ops():
-    """The C++ library with the panel GEMM, or None (no AVX-512, no toolchain)."""
+    """The C++ library with the panel GEMM, or None (neither AVX-512 nor AVX2, no toolchain)."""
     from ..attention.cpu_kernel import panels
 
     return panels()
