@@ -115,3 +115,21 @@ def test_threads_split_work_without_changing_a_bit(ops):
     assert torch.equal(outs[0][0], outs[1][0])
     if lib is not None:
         assert torch.equal(outs[0][1], outs[1][1])
+
+
+def test_the_library_builds_where_a_toolchain_is():
+    """Where a C++ compiler is on PATH, the library builds, and on an AVX2 or AVX-512 CPU it has the panel GEMM: a
+    silent fallback to the torch ops (as on AVX2 CPUs before, whose load probed the AVX-512-only op and raised) makes
+    every other test here skip."""
+    import shutil
+    from lmc.runtime.attention.cpu_kernel import panels
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on PATH")
+    assert elementwise() is not None
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to read the CPU's features from")
+    if {"avx512f"} <= flags or {"avx2", "fma"} <= flags:
+        assert panels() is not None
