@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -34,12 +35,25 @@ def exact(values: list):
     return values[0] if all(v == values[0] for v in values) else spread(values)
 
 
+def cpu_model() -> str:
+    """The CPU's model name and widest vector ISA ("AMD EPYC, AVX2"): the kernels differ per ISA (the panel GEMM's
+    tile), so a figure is only comparable with one measured on the same kind of CPU."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
+    flags = set(info.split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name}, {isa}"
+
+
 def provenance(script: str, note: str = "") -> dict:
     """The command that produced a results file (script path relative to the repository) and the load average
     when it started. Call `finish(prov)` when the runs are done to add the load at the end."""
     return {"command": " ".join(["python", script, *sys.argv[1:]]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "cpus": os.cpu_count(), "load_avg_1m_start": os.getloadavg()[0], "note": note}
+            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "load_avg_1m_start": os.getloadavg()[0], "note": note}
 
 
 def finish(prov: dict) -> dict:

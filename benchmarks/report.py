@@ -92,7 +92,8 @@ def command(res: dict) -> str:
         raise ValueError("results file records no command (add a provenance block: benchmarks/record.py)")
     out = f"Command: `{cmd}`."
     if "load_avg_1m_start" in prov:
-        out += (f" Load average (1 min) on the {prov['cpus']}-CPU machine: {num(prov['load_avg_1m_start'])} at the "
+        cpu = f" ({prov['cpu_model']})" if prov.get("cpu_model") else ""
+        out += (f" Load average (1 min) on the {prov['cpus']}-CPU machine{cpu}: {num(prov['load_avg_1m_start'])} at the "
                 f"start, {num(prov.get('load_avg_1m_end', prov['load_avg_1m_start']))} at the end.")
     if prov.get("note"):
         out += f" Note: {prov['note']}."

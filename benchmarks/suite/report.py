@@ -163,6 +163,7 @@ def render(results: dict, results_dir) -> str:
            "",
            f"`{meta.get('command', 'python benchmarks/suite/run.py')}` on {meta.get('date_utc', '?')} UTC, "
            f"{meta.get('runs', '?')} run(s) alternating systems, {meta.get('cpus', '?')} CPU cores"
+           f"{' (' + meta['cpu_model'] + ')' if meta.get('cpu_model') else ''}"
            f"{'' if device == 'cpu' else ' and one ' + device}, model `{model}`. Every figure is the median of the "
            "runs, with the min-max spread in parentheses.", ""]
     if model.startswith("dummy:"):

@@ -49,6 +49,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import lmc  # noqa: E402
 from measure import APIRecorder, BackendRecorder, CacheFigures, EngineRecorder  # noqa: E402
 from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: record.py
+from record import cpu_model  # noqa: E402
 
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
 SIZES_NOTES = {
@@ -289,7 +291,7 @@ def main(argv=None) -> dict:
                                    "batch (its throughput pass is one program alone)",
             "partial": partial, "systems": names,
             "model": args.model, "json_name": out_path.name, "wall_s": round(time.time() - started, 1),
-            "cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
+            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after_each_run": [[round(x, 2) for x in la] for la in loads],
             "device": device, "ignore_eos": args.ignore_eos,
             "note": (f"one {device}, which every system shares (its engines hold their weights and KV pools side by "
