@@ -238,9 +238,8 @@ def main() -> None:
            "workloads": {"decode_b16": {"batch": DECODE_BATCH, "prompt_len": DECODE_PROMPT, "new": DECODE_NEW},
                          "no_sharing": {"prompts": NS_N, "prompt_len": NS_PROMPT, "new": NS_NEW}},
            "results": results, "load_average_per_rep": loads, "peer_thread_binding": PEER_THREAD_BINDING,
-           "note": ("Shared 2-core machine: other engineers' tests and benchmarks ran meanwhile (load averages "
-                    "recorded after every system's repetition); systems alternate within each repetition, so "
-                    "load changes hit all of them, but absolute figures are slower than on an idle machine."),
+           "note": ("Load averages recorded after every system's repetition; systems alternate within each "
+                    "repetition, so load changes hit all of them. " + SHARED_MACHINE_NOTE + "."),
            "provenance": finish(prov)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -61,8 +61,11 @@ def finish(prov: dict) -> dict:
     return prov
 
 
-SHARED_MACHINE_NOTE = ("2-core machine shared with other engineers' jobs while this ran: absolute times move "
-                       "with their load (see load_avg_1m_*); systems alternate within each repetition")
+# What the machine was doing, for the provenance: the default describes the shared 2-core machine most records were
+# made on; LMC_MACHINE_NOTE replaces it when a run had the machine to itself (or anything else is worth saying).
+SHARED_MACHINE_NOTE = os.environ.get("LMC_MACHINE_NOTE") or (
+    "2-core machine shared with other engineers' jobs while this ran: absolute times move with their load (see "
+    "load_avg_1m_*); systems alternate within each repetition")
 
 
 def jsonable(v):

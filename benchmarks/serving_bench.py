@@ -135,8 +135,7 @@ def main() -> None:
            "threads": THREADS, "cpus": os.cpu_count(), "reps": args.reps, "results": results,
            "peer_thread_binding": PEER_THREAD_BINDING, "peer_attached": bool(os.environ.get("LMC_PEER_URL")),
            "load_average_per_run": loads,
-           "note": ("Shared 2-core machine: other engineers' jobs ran meanwhile (load averages after every run); the "
-                    "two servers alternate within each repetition and never serve at the same time"
+           "note": ("Load averages after every run; the two servers alternate within each repetition and never serve at the same time"
                     + (" (the attached vLLM server stays up, idle, while lmc runs; other sessions may use it)."
                        if os.environ.get("LMC_PEER_URL") else ".")),
            "provenance": finish(prov)}

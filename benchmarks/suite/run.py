@@ -50,7 +50,7 @@ import lmc  # noqa: E402
 from measure import APIRecorder, BackendRecorder, CacheFigures, EngineRecorder  # noqa: E402
 from workloads import BUILDERS, SIZES, Workload, build  # noqa: E402
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: record.py
-from record import cpu_model  # noqa: E402
+from record import SHARED_MACHINE_NOTE, cpu_model  # noqa: E402
 
 LMC_SYSTEMS = ["lmc", "lmc-interpreted", "lmc-nocache-fcfs"]
 SIZES_NOTES = {
@@ -297,9 +297,8 @@ def main(argv=None) -> dict:
             "note": (f"one {device}, which every system shares (its engines hold their weights and KV pools side by "
                      "side); systems alternate within every run; medians of the runs with min-max"
                      if device != "cpu" else
-                     "shared 2-core machine: other engineers' tests and benchmarks ran alongside (see the load "
-                     "averages); lmc and vLLM use 2 threads each; systems alternate within every run; medians of "
-                     "the runs with min-max") + ("; lmc's engine-side continuation on (the default; chains measured "
+                     SHARED_MACHINE_NOTE + " (see the load averages); lmc and vLLM use 2 threads each; systems "
+                     "alternate within every run; medians of the runs with min-max") + ("; lmc's engine-side continuation on (the default; chains measured "
                                                 "call by call), off in the no-cache baseline (a chain keeping its KV "
                                                 "is prefix reuse)"),
             "workloads": {w.name: {"sharing": w.sharing, "programs": len(w.calls),
