@@ -85,9 +85,9 @@ def test_kernels_run_their_parallel_loops_on_torchs_threads(ops):
     to serial loops, and a decode step ran on one of the machine's cores."""
     import os
 
-    from lmc.runtime.attention.cpu_kernel import build_dir
+    from lmc.runtime.attention.cpu_kernel import library_dir
 
-    with open(os.path.join(build_dir(), "lmc_cpu_kernels", "lmc_cpu_kernels.so"), "rb") as f:
+    with open(os.path.join(library_dir(), "lmc_cpu_kernels.so"), "rb") as f:
         assert b"GOMP_parallel" in f.read()
 
 

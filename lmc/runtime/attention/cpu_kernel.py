@@ -1,5 +1,5 @@
 """The C++ CPU kernels, built once with torch's extension builder and cached on disk under the lmc cache dir
-(`$LMC_CACHE_DIR/torch_extensions`): later starts load the built library in a few seconds (`TORCH_EXTENSIONS_DIR`
+(`$LMC_CACHE_DIR/torch_extensions`, one directory per torch installation): later starts load the built library in a few seconds (`TORCH_EXTENSIONS_DIR`
 overrides the place). One library (`torch.ops.lmc_cpu`), so a first start compiles once.
 
 `paged_attention(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, extend_start, scale)` computes, for
@@ -26,6 +26,7 @@ it has the GEMM, or None (with a warning, once) when no C++ toolchain can build 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -510,6 +511,14 @@ def build_dir() -> str:
     return path
 
 
+def library_dir() -> str:
+    """Where the library is built: one directory per torch installation under build_dir(). The build's ninja file
+    names the headers of the torch that built it, so two virtualenvs sharing one directory (a checkout's and a CI
+    clone's) rebuilt the library at each other's next start (48 s on 2 cores)."""
+    torch_install = hashlib.sha1(os.path.dirname(torch.__file__).encode()).hexdigest()[:10]
+    return os.path.join(build_dir(), f"lmc_cpu_kernels_{torch_install}")
+
+
 def load():
     """The compiled `paged_attention`, or None when it cannot be built here (the caller falls back)."""
     with _lock:
@@ -541,7 +550,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         # torch's builder hashes the source: an edited kernel is rebuilt, an unchanged one is loaded as built.
-        path = os.path.join(build_dir(), "lmc_cpu_kernels")
+        path = library_dir()
         os.makedirs(path, exist_ok=True)
         load_inline("lmc_cpu_kernels", cpp_sources=_SOURCE, build_directory=path, verbose=False,
                     is_python_module=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
