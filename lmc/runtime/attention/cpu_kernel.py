@@ -14,7 +14,7 @@ The decoder layer's elementwise ops in fp32, each one pass instead of the torch 
 the greedy sampler's `argmax_rows` (sampling.py).
 
 On AVX-512 and AVX2 CPUs, a GEMM for the linears (`pack_panels`, `panel_linear`; model/linear.py): weights in panels
-of 48 (AVX-512) or 24 (AVX2) outputs, streamed once per 8 or 4 rows of x.
+of 48 (AVX-512) or 16 (AVX2) outputs, streamed once per 8 or 6 rows of x.
 
 Built with OpenMP (-fopenmp): every at::parallel_for here is an `omp parallel` region on torch's intra-op threads,
 each thread computing whole outputs (a GEMM panel, an attention work item, a row), so results do not depend on the
@@ -309,8 +309,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // kernels for 16 rows ran at ~2x the cycles a byte of this one (measured on an AVX-512 machine, benchmarks/
 // cpu_speed.py). Panels [ceil(N / kPanel), K, kPanel] make each thread's share of the weight one sequential stream
 // (a thread takes a contiguous range of panels). A kRows x kPanel block of accumulators takes each kPanel-float
-// weight row once per kRows rows of x: 8 rows x 48 outputs (24 of the 32 zmm) on AVX-512, 4 rows x 24 outputs (12
-// of the 16 ymm, beside the 3 weight vectors and the broadcast) on AVX2. Loop nest, outer to inner:
+// weight row once per kRows rows of x: 8 rows x 48 outputs (24 of the 32 zmm) on AVX-512, 6 rows x 16 outputs (12
+// of the 16 ymm, beside the 2 weight vectors and the broadcast: at 4 x 24 GCC folded the weight loads into the
+// FMAs and the loop ran load-bound) on AVX2. Loop nest, outer to inner:
 // - chunks of x rows (kChunkBytes of x, which stays in L2 while the thread's panels stream past): a prefill's x
 //   (MBs) would otherwise be re-read from L3 once per panel, the large-M slowdown this blocking removes;
 // - the thread's panels, then blocks of kKBlock k-rows (12 KB of a panel: stays in L1 for all the chunk's row
