@@ -432,3 +432,24 @@ def test_a_failing_branch_fails_its_instance_alone(engine, tokenizer, monkeypatc
     assert futs[1].result(timeout=120)["segments"][0]["text"] == alone
     monkeypatch.undo()
     assert fault.raised >= 1 and engine.load()["request_owned_slots"] == 0 and not engine.scheduler.forking
+
+
+def test_chains_wait_for_company_where_decode_steps_replay_graphs(local, engine, monkeypatch):
+    """SchedulerConfig.chain_batch_steps (on where decode steps replay CUDA graphs, here forced on the CPU): the
+    chains of a batch's instances extend together, in fewer prefill forwards, with the same outputs."""
+    be, _ = local
+    topics = [{"topic": t} for t in ("the moon", "bread", "rivers", "owls", "glass", "tea")]
+    prog = mixed.compile()
+
+    def run(window):
+        monkeypatch.setattr(engine.scheduler.cfg, "chain_batch_steps", window)
+        engine.flush_cache()
+        before = engine.stats()
+        states = prog.run_batch(topics, backend=be, temperature=0)
+        assert all(st.error() is None for st in states)
+        return [st.variables() for st in states], engine.stats()["prefill_forwards"] - before["prefill_forwards"]
+
+    at_once, at_once_prefills = run(0)
+    batched, batched_prefills = run(8)
+    assert batched == at_once
+    assert batched_prefills < at_once_prefills

@@ -380,6 +380,7 @@ class Continuation:
                 s.finish(r, reason)  # the gen ended on it: r goes on to its next step, or finishes
                 return True
         if held:
+            r.continuing_since = s.stats["forwards"]
             s.continuing.append(r)
         else:
             s.waiting.insert(0, r)

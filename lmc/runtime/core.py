@@ -227,6 +227,7 @@ class Req:
     parent: Any = None  # the chain request whose select this one scores (one choice: `choice`), queued by the engine
     choice: int = -1
     fork_parent: Any = None  # the chain request whose fork this one is a branch of (continuation.py), engine-queued
+    continuing_since: int = 0  # the scheduler's forward count when the chain last entered `continuing`
     # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was
     # retokenized, number of jumps, and the length of the output prefix known to be canonically tokenized.
     jump_forward_tokens: int = 0

@@ -40,6 +40,7 @@ from .grammar import GrammarCache
 from .model.loader import resolve
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
+from .scheduler.config import CHAIN_BATCH_STEPS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never wait on a hub: a missing file fails fast
 
@@ -122,7 +123,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, SchedulerConfig(policy=schedule_policy, max_running=max_running_requests,
                                          max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=chunk,
-                                         busy_prefill_tokens=busy_prefill_tokens),
+                                         busy_prefill_tokens=busy_prefill_tokens,
+                                         chain_batch_steps=CHAIN_BATCH_STEPS if self.runner.graphs is not None else 0),
             disable_radix_cache=disable_radix_cache, tokenizer=self.tokenizer, seed=seed, grammars=self.grammars,
             enable_jump_forward=enable_jump_forward, debug_checks=check_invariants, overlap=self.overlap_schedule)
         self.check_invariants = check_invariants

@@ -13,6 +13,7 @@ CLIP_NEW_TOKENS = 4096  # cap on the per-request output estimate used by admissi
 # or two (prompts starting with the same word).
 IN_BATCH_DEPRIORITIZE = 4
 MIX_MAX_EXTEND = 64  # running requests decode inside a prefill of jump-forward extends at most this long
+CHAIN_BATCH_STEPS = 8  # SchedulerConfig.chain_batch_steps on a device whose decode steps replay CUDA graphs
 
 
 @dataclass
@@ -32,3 +33,9 @@ class SchedulerConfig:
     # Ablation knob (benchmarks only, the paper's Figure 8): the share of requests, drawn by the scheduler's seeded
     # RNG when they arrive, whose cached prefix is ignored, so the hit rate drops while everything else is unchanged.
     match_drop_rate: float = 0.0
+    # Where decode steps replay a CUDA graph but a prefill forward runs eagerly (SmolLM2-135M on the H200: ~25 ms of
+    # host launches for an eager forward of its 30 layers, ~1.5 ms for a replayed decode step of 32 requests;
+    # results/h200_probe/fwd_probe.json), a chain's next text waits in `continuing` up to this many decode steps
+    # while requests decode, so that the chains of a batch's instances extend together in one eager forward instead
+    # of one each. 0 (the CPU, where a forward costs by the tokens it computes): each extends at the next step.
+    chain_batch_steps: int = 0

@@ -25,7 +25,10 @@ a stop), and the running requests decode in the same forward.
 
 A chain request between two calls (`continuing`, continuation.py) goes first: resident with its KV, it needs no
 admission and no match, only room for its next chunk; a batch of short such extends mixes in the running
-requests' decode step like jump-forward extends, and so do the choice children of a chain's select.
+requests' decode step like jump-forward extends, and so do the choice children of a chain's select. With
+`SchedulerConfig.chain_batch_steps` (a device whose decode steps replay CUDA graphs), chains wait while requests
+decode, until one has waited that many steps or as many chains wait as requests decode: their extends then share
+one eager forward.
 
 A request whose last chunk is scheduled joins `running` at once, before its forward has run: with overlap the
 next decode step is scheduled while this prefill is still in flight, and reads its first token on the device.
@@ -164,8 +167,10 @@ def _lender(lenders: dict, codes: torch.Tensor, matched: int) -> tuple[Req, int,
     return lend
 
 
-def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
+def schedule_prefill(s: "Scheduler", batch_chains: bool = True) -> ScheduledBatch | None:
     if not s.continuing and s.chunked is None and not s.waiting:
+        return None
+    if batch_chains and not s.waiting and s.chunked is None and _chains_wait(s):
         return None
     add = PrefillAdder(s)
     _continue_chains(s, add)
@@ -187,6 +192,14 @@ def schedule_prefill(s: "Scheduler") -> ScheduledBatch | None:
         s.stats["mixed_forwards"] += 1
     s.running.extend(add.joins)
     return b.build(s.memory.take_pending())
+
+
+def _chains_wait(s: "Scheduler") -> bool:
+    """Whether this step decodes (a replayed graph) and leaves the waiting chains for a later, shared extend."""
+    window = s.cfg.chain_batch_steps
+    if not window or not s.running or len(s.continuing) >= len(s.running):
+        return False
+    return s.stats["forwards"] - min(r.continuing_since for r in s.continuing) < window
 
 
 def _continue_chains(s: "Scheduler", add: PrefillAdder) -> None:

@@ -203,6 +203,8 @@ class Scheduler:
         finished with `.error` set."""
         self.out, self._early = self._early, []
         sb = self._schedule_prefill() or self._schedule_decode()
+        if sb is None and self.continuing:  # nothing decodes after all: the chains waiting for company go now
+            sb = prefill.schedule_prefill(self, batch_chains=False)
         new = self._launch(sb) if sb is not None else None
         prev, self._inflight = self._inflight, None
         if prev is not None:
