@@ -73,10 +73,11 @@ def summary(results_dir: Path) -> Path | None:
     return out
 
 
-def compiler_examples(results_dir: Path) -> Path | None:
+def compiler_examples(results_dir: Path, stem: str = "compiler_examples") -> Path | None:
     """Compiled / interpreted programs/s per example: the bar is the per-repetition ratios' median, whiskers their
-    min-max (the two modes alternate, so each repetition's ratio compares runs made under the same load)."""
-    p = results_dir / "compiler_examples.json"
+    min-max (the two modes alternate, so each repetition's ratio compares runs made under the same load). One plot
+    per record: `stem` is the CPU's or the H200's (compiler_examples_h200)."""
+    p = results_dir / f"{stem}.json"
     if not p.exists():
         return None
     examples = json.loads(p.read_text())["examples"]
@@ -88,14 +89,15 @@ def compiler_examples(results_dir: Path) -> Path | None:
     ax.set_title("per-repetition ratio: median, whiskers min-max", fontsize=8)
     ax.tick_params(axis="x", labelsize=7, labelrotation=20)
     fig.tight_layout()
-    out = results_dir / "compiler_examples.png"
+    out = results_dir / f"{stem}.png"
     fig.savefig(out, dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
     return out
 
 
 def main(results_dir: Path = RESULTS_DIR) -> None:
-    for out in (summary(results_dir), compiler_examples(results_dir)):
+    for out in (summary(results_dir), compiler_examples(results_dir),
+                compiler_examples(results_dir, "compiler_examples_h200")):
         if out:
             print(out)
 

@@ -380,8 +380,10 @@ def _fork_steps(long: int = 2):
 
 def test_a_forks_branches_start_in_the_next_forward_while_others_run(engine, monkeypatch):
     """The parent's last call ends in forward F: its branches are queued in that step and prefill in F + 1 (mixed
-    with the other request's decode), not a forward later as branches submitted from the frontend would be."""
+    with the other request's decode), not a forward later as branches submitted from the frontend would be. (With
+    no chain window: where decode steps replay CUDA graphs, the engine's default holds them for company.)"""
     sched = engine.scheduler
+    monkeypatch.setattr(sched.cfg, "chain_batch_steps", 0)
     ended = {}  # request id -> forwards run when each of its calls ended
     monkeypatch.setattr(sched, "on_call_end", lambda r, reason: ended.setdefault(r.rid, []).append(
         sched.stats["forwards"]))
@@ -436,8 +438,13 @@ def test_a_failing_branch_fails_its_instance_alone(engine, tokenizer, monkeypatc
 
 def test_chains_wait_for_company_where_decode_steps_replay_graphs(local, engine, monkeypatch):
     """SchedulerConfig.chain_batch_steps (on where decode steps replay CUDA graphs, here forced on the CPU): the
-    chains of a batch's instances extend together, in fewer prefill forwards, with the same outputs."""
+    chains of a batch's instances extend together, in fewer prefill forwards, with the same outputs. Overlap off (the
+    CPU's default; the session engine on a GPU overlaps): under overlap this batch of six instances in near lockstep
+    takes 9 prefill forwards with the window against 7 without (the two chains that finish their first gen a step
+    early wait instead of extending inside the others' decode steps), a known cost of the window; the examples, whose
+    instances drift apart, take fewer (benchmarks/gpu_forward_probe.py)."""
     be, _ = local
+    monkeypatch.setattr(engine.scheduler, "overlap", False)
     topics = [{"topic": t} for t in ("the moon", "bread", "rivers", "owls", "glass", "tea")]
     prog = mixed.compile()
 

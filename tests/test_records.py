@@ -104,9 +104,9 @@ def test_a_missing_results_file_omits_its_section(tmp_path):
 
 
 def test_every_results_file_is_optional(tmp_path):
-    """Without compiler_examples.json its section goes (and the report renders without any other file)."""
+    """Without the compiler_examples records their sections go (and the report renders without any other file)."""
     for p in report.RESULTS_DIR.glob("*.json"):
-        if p.name != "compiler_examples.json":
+        if not p.name.startswith("compiler_examples"):
             shutil.copy(p, tmp_path)
     text = report.render_results(tmp_path)
     assert "## Compiler" not in text and "## Jump-forward" in text and "## API speculative" in text
@@ -197,10 +197,12 @@ def test_plots_are_drawn_from_the_json(tmp_path):
     assert (tmp_path / "summary.png").stat().st_size > 0 and (tmp_path / "compiler_examples.png").stat().st_size > 0
 
 
-def test_compiler_examples_section_shows_each_example_from_the_json():
-    r = json.loads((report.RESULTS_DIR / "compiler_examples.json").read_text())
+@pytest.mark.parametrize("record", ["compiler_examples.json", "compiler_examples_h200.json"])
+def test_compiler_examples_section_shows_each_example_from_the_json(record):
+    r = json.loads((report.RESULTS_DIR / record).read_text())
     assert r["provenance"]["command"].startswith("python benchmarks/compiler_bench.py")
     text = report.render_compiler(r, report.RESULTS_DIR)
+    assert ("NVIDIA H200" in text.splitlines()[0]) == r["config"]["device"].startswith("cuda")
     for name, e in r["examples"].items():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
         assert report.fig(e["interpreted"]["programs_s"]) in row and report.fig(e["compiled"]["programs_s"]) in row

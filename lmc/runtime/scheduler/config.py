@@ -35,7 +35,7 @@ class SchedulerConfig:
     match_drop_rate: float = 0.0
     # Where decode steps replay a CUDA graph but a prefill forward runs eagerly (SmolLM2-135M on the H200: ~25 ms of
     # host launches for an eager forward of its 30 layers, ~1.5 ms for a replayed decode step of 32 requests;
-    # results/h200_probe/fwd_probe.json), a chain's next text waits in `continuing` up to this many decode steps
+    # results/h200_probe/fwd_probe_before.json), a chain's next text waits in `continuing` up to this many decode steps
     # while requests decode, so that the chains of a batch's instances extend together in one eager forward instead
     # of one each. 0 (the CPU, where a forward costs by the tokens it computes): each extends at the next step.
     chain_batch_steps: int = 0
