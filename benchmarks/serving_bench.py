@@ -61,7 +61,9 @@ class LmcServer(ManagedServer):
                 MODEL_NAME, "--port", str(self.port), *self.extra_args]
 
     def env(self) -> dict:
-        return {"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+        # this checkout first, then whatever the caller's path held (the GPU machine's carried packages)
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        return {"OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
 def run_client(base_url: str, model_dir: str, home: str) -> dict:

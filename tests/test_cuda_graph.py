@@ -76,3 +76,36 @@ def test_shared_prefix_decode_replays_a_cascade_graph(gpu_engines, monkeypatch):
     assert got_ids == want_ids
     for a, b in zip(got_lp, want_lp):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_small_extends_replay_graphs_and_equal_eager(gpu_engines, monkeypatch):
+    """A few new tokens on a cached prefix (a program's text between two calls) replay their bucket's extend graph,
+    one decode row per new token (cuda_graph.py), and give the eager engine's tokens, sampled logprobs and prompt
+    logprobs; one request at a time, so each extend is its request's alone."""
+    graphs, eager = gpu_engines
+    dg = graphs.runner.graphs
+    replays = []
+    real = dg.replay_extend
+    monkeypatch.setattr(dg, "replay_extend", lambda ids, *a: replays.append(len(ids)) or real(ids, *a))
+    g = torch.Generator().manual_seed(21)
+    vocab = graphs.runner.cfg.vocab_size
+    shared = torch.randint(3, vocab, (120,), generator=g).tolist()
+    suffixes = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (1, 3, 7, 12)]
+    params = {**PARAMS, "max_new_tokens": 4}
+    for eng in (graphs, eager):
+        eng.flush_cache()
+        eng.generate(input_ids=shared, sampling_params=params)  # the prefix, cached
+
+    def run(eng, q):
+        r = eng.generate(input_ids=shared + q, sampling_params=params, return_logprob=True,
+                         logprob_start_len=len(shared) - 1)
+        return (r["output_ids"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
+                [lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None])
+
+    for q in suffixes:
+        n = len(replays)
+        (got_ids, got_out, got_in), (want_ids, want_out, want_in) = run(graphs, q), run(eager, q)
+        # one extend (its new tokens, and the prefix's last one where its logits are asked again), then decodes
+        assert len(replays) == n + 1 and replays[n] >= len(q), f"no extend graph replayed: {replays[n:]}"
+        assert got_ids == want_ids and len(got_in) == len(want_in) >= len(q)
+        assert max(abs(x - y) for x, y in zip(got_out + got_in, want_out + want_in)) < 1e-4

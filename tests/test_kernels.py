@@ -185,11 +185,13 @@ def test_rope_qk_long_extend_runs_one_program_per_token():
         assert torch.equal(a[:2], b)
 
 
+@pytest.mark.parametrize("gather", [True, False])  # False: an extend graph's, whose ids were copied in
 @pytest.mark.parametrize("n,padding", [(1, 0), (5, 3), (300, 20)])  # 300 + 20: past one 256-row block
-def test_decode_inputs_gathers_ids_and_writes_only_the_new_slots(n, padding):
+def test_decode_inputs_gathers_ids_and_writes_only_the_new_slots(n, padding, gather):
     """A decode graph's first kernel against its torch ops: ids from the token buffer at the rows, sequence lengths
     positions + 1, the slots written into the table at (row, position) and nowhere else; padding rows (the dummy
-    row 0 at position 0, slot 0) all write the same entry. Outputs poisoned first: every row is written."""
+    row 0 at position 0, slot 0) all write the same entry. Outputs poisoned first: every row is written. Without
+    the gather the ids stay as they were."""
     dev = kernel_device(ops._decode_inputs_kernel)
     g = torch.Generator().manual_seed(n)
     num_rows, ctx = n + 4, 64
@@ -203,7 +205,10 @@ def test_decode_inputs_gathers_ids_and_writes_only_the_new_slots(n, padding):
     ids, seq = torch.full((n + padding,), -7, device=dev), torch.full((n + padding,), -7, dtype=torch.int32, device=dev)
     ref_args = [t.clone() for t in args]
     ref_ids, ref_seq = ids.clone(), seq.clone()
+    if not gather:
+        args[0] = ref_args[0] = None
     ops.decode_inputs(*args, ids, seq)
     reference.decode_inputs(*ref_args, ref_ids, ref_seq)
     assert torch.equal(ids, ref_ids) and torch.equal(seq, ref_seq) and torch.equal(args[1], ref_args[1])
-    assert torch.equal(ids.cpu(), token_buf[rows]) and int((args[1].cpu() != table).sum()) <= n
+    assert torch.equal(ids.cpu(), token_buf[rows] if gather else torch.full_like(ids.cpu(), -7))
+    assert int((args[1].cpu() != table).sum()) <= n

@@ -14,6 +14,14 @@ slot table, one launch inside the graph where these were five small launches and
 A batch whose requests share a long cached prefix (ForwardBatch.shared_prefix) replays a second graph of its
 bucket, captured on first use, whose attention reads that prefix once for the batch (the cascade of
 attention/triton_kernels.decode_attention), its length in a device int written before each replay.
+
+A small extend (a few new tokens on a cached prefix: what a program's text between two calls is) replays a third
+graph of its bucket, also captured on first use: each new token is a decode row of its own, on its request's
+slot-table row at its own position. The graph writes every row's slot into the table before the first layer and
+each layer stores every row's K/V before its attention runs, so row i attends to positions [0, position_i]: the
+causal extend, in one replay where an eager forward costs ~25 ms of kernel launches on the H200 (SmolLM2, see
+benchmarks/gpu_forward_probe.py). Its input ids are copied in (the host has them); a running request decoding
+inside that forward reads its id from the token buffer before the replay.
 """
 from __future__ import annotations
 
@@ -22,6 +30,13 @@ import torch
 from .attention import ForwardBatch
 from .kernels import triton_ops
 from .memory import DUMMY_ROW
+
+# An extend replays a graph while its new tokens fit a bucket of at most this many rows and their attention's
+# re-reads stay small: each new token, a decode row of its own, reads its whole context, where the eager extend
+# kernel reads it once per block of tokens. 4 GB (~1 ms of the H200's bandwidth) against the ~25 ms of launches
+# the replay saves; a 7B's 16 tokens on a 500-token context read 4 GB, SmolLM2's 64 on 2,000 tokens 3 GB.
+EXTEND_MAX_TOKENS = 64
+EXTEND_MAX_REREAD_BYTES = 4 << 30
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -43,6 +58,10 @@ class DecodeGraphs:
         self.batches: dict[int, ForwardBatch] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.cascade: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}  # by bucket, lazily
+        self.extend: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}  # likewise
+        self.extend_max = min(EXTEND_MAX_TOKENS, max_bs)
+        k = runner.kv.k
+        self.kv_bytes_per_token = 2 * len(k) * k[0][0].numel() * k[0].element_size()  # every layer's K and V
         self.pool = None
         for bs in reversed(buckets(max_bs)):  # largest first, so smaller graphs reuse its memory pool
             self.graphs[bs], self.batches[bs], self.logits[bs] = self._capture(bs, cascade=False)
@@ -57,8 +76,10 @@ class DecodeGraphs:
             kv_cache=r.kv, req_to_token=r.table, attn=r.attn, shared_prefix=self.shared_prefix if cascade else 0)
 
     @torch.inference_mode()
-    def _capture(self, bs: int, cascade: bool) -> tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]:
-        """Capture bucket `bs` over the static buffers, which hold the dummy step (padding values) meanwhile."""
+    def _capture(self, bs: int, cascade: bool, gather_ids: bool = True
+                 ) -> tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]:
+        """Capture bucket `bs` over the static buffers, which hold the dummy step (padding values) meanwhile.
+        gather_ids=False: the extend graph, whose input ids are copied into the static buffer before a replay."""
         self._pad(0, bs)
         self.shared_prefix.zero_()
         batch = self._batch(bs, cascade)
@@ -66,18 +87,18 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph: kernel compilation, cuBLAS handles
-            self._step(bs, batch)
+            self._step(bs, batch, gather_ids)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            logits = self._step(bs, batch)
+            logits = self._step(bs, batch, gather_ids)
         self.pool = g.pool()
         return g, batch, logits
 
-    def _step(self, bs: int, batch: ForwardBatch) -> torch.Tensor:
+    def _step(self, bs: int, batch: ForwardBatch, gather_ids: bool) -> torch.Tensor:
         """What a graph runs: the step's inputs from its rows, positions and slots (module docstring), the forward."""
         r = self.runner
-        triton_ops.decode_inputs(r.token_buf, r.table, self.rows[:bs], self.positions[:bs], self.slots[:bs],
+        triton_ops.decode_inputs(r.token_buf if gather_ids else None, r.table, self.rows[:bs], self.positions[:bs], self.slots[:bs],
                                  self.ids[:bs], self.seq_lens[:bs])
         return r.model(self.ids[:bs], batch)
 
@@ -85,6 +106,37 @@ class DecodeGraphs:
         """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, position 0, slot 0 (so sequence
         length 1 and the dummy slot, whatever token the graph's gather finds in the dummy row's buffer entry)."""
         self.positions[lo:hi], self.slots[lo:hi], self.rows[lo:hi] = 0, 0, DUMMY_ROW
+
+    def replays_extend(self, num_tokens: int, max_seq_len: int) -> bool:
+        """Whether an extend forward of `num_tokens` new tokens, none past position `max_seq_len`, replays a graph
+        (module docstring; EXTEND_MAX_REREAD_BYTES)."""
+        return (num_tokens <= self.extend_max
+                and num_tokens * max_seq_len * self.kv_bytes_per_token <= EXTEND_MAX_REREAD_BYTES)
+
+    @torch.inference_mode()
+    def replay_extend(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """An extend of n tokens (replays_extend said yes), as [n] device tensors per new token: its id, position,
+        KV slot and its request's slot-table row. Returns the [n, V] logits of every token, a view of the graph's
+        buffer valid until the next replay."""
+        n = len(rows)
+        bs = next(b for b in sorted(self.graphs) if b >= n)
+        if bs not in self.extend:
+            self.extend[bs] = self._capture(bs, cascade=False, gather_ids=False)
+        graph, batch, logits = self.extend[bs]
+        self.ids[:n].copy_(ids)
+        self.ids[n:bs] = 0
+        self._fill(positions, slots, rows, bs)
+        self.runner.attn.prepare_replay(batch, n)
+        graph.replay()
+        return logits[:n]
+
+    def _fill(self, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, bs: int) -> None:
+        n = len(rows)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(slots)
+        self.rows[:n].copy_(rows)
+        self._pad(n, bs)  # a previous larger batch may have left real rows there
 
     @torch.inference_mode()
     def replay(self, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
@@ -103,10 +155,7 @@ class DecodeGraphs:
             self.shared_prefix.fill_(shared_prefix)
         else:
             graph, batch, logits = self.graphs[bs], self.batches[bs], self.logits[bs]
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.rows[:n].copy_(rows)
-        self._pad(n, bs)  # a previous larger batch may have left real rows there
+        self._fill(positions, slots, rows, bs)
         self.runner.attn.prepare_replay(batch, n)
         graph.replay()
         return logits[:n]

@@ -5,7 +5,8 @@ or the radix tree.
 A step is split so that the host can work while the device computes (overlap scheduling, scheduler/):
 - `launch(sb)`: pack the batch's metadata into one host tensor, copy it to the device in one (pinned, on CUDA)
   copy, write the batch's slots into the device slot table, gather the input ids the host does not know yet from
-  the token buffer, and run the forward (a decode step replayed from a CUDA graph does those two inside the graph).
+  the token buffer, and run the forward (a step replayed from a CUDA graph, a decode or a small extend, writes the
+  table itself, and a decode gathers its ids too).
   Returns a handle at once.
 - `sample(handle, grammar_reqs)`: mask, sample, write the sampled ids into the token buffer (one entry per slot-
   table row: the request's last token, which its next decode step reads on the device), and start their copy to
@@ -361,6 +362,10 @@ class ModelRunner:
             if len(fb_rows):
                 ids = ids.clone()
                 ids[fb_pos] = self.token_buf[fb_rows]
+            if self.graphs is not None and self.graphs.replays_extend(n_tok, max_seq):
+                # one decode row per new token (cuda_graph.py); the gather copies the needed rows out of the
+                # graph's buffer, which the next replay overwrites
+                return self.graphs.replay_extend(ids, positions, slots, tok_rows)[logit_pos], sample_rows
         self.table[tok_rows, positions] = slots.to(torch.int32)
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,

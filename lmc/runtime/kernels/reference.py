@@ -49,6 +49,7 @@ def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 
 def decode_inputs(token_buf, table, rows, positions, slots, ids, seq_lens) -> None:
     """triton_ops.decode_inputs in torch ops."""
-    ids.copy_(token_buf[rows])
+    if token_buf is not None:
+        ids.copy_(token_buf[rows])
     seq_lens.copy_(positions + 1)
     table[rows, positions] = slots.to(table.dtype)

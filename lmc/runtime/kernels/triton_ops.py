@@ -226,26 +226,30 @@ def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 
 @triton.jit
 def _decode_inputs_kernel(tok_ptr, table_ptr, rows_ptr, pos_ptr, slots_ptr, ids_ptr, seq_ptr, n, stride_table,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+                          GATHER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     grid_dependency(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     row = tl.load(rows_ptr + i, mask=m, other=0)
     pos = tl.load(pos_ptr + i, mask=m, other=0)
-    tl.store(ids_ptr + i, tl.load(tok_ptr + row, mask=m, other=0), mask=m)
+    if GATHER:
+        tl.store(ids_ptr + i, tl.load(tok_ptr + row, mask=m, other=0), mask=m)
     tl.store(seq_ptr + i, (pos + 1).to(seq_ptr.dtype.element_ty), mask=m)
     slot = tl.load(slots_ptr + i, mask=m, other=0)
     tl.store(table_ptr + row * stride_table + pos, slot.to(table_ptr.dtype.element_ty), mask=m)
 
 
-def decode_inputs(token_buf: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+def decode_inputs(token_buf: torch.Tensor | None, table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """A decode step's inputs from its [n] rows, positions and KV slots, in place and in one launch (the first kernel
-    of a decode CUDA graph, cuda_graph.py): ids = token_buf[rows], seq_lens = positions + 1 and table[rows,
-    positions] = slots. Rows repeat only as the dummy row (a bucket's padding), whose entries all write the same."""
+    of a decode CUDA graph, cuda_graph.py): ids = token_buf[rows] (unless token_buf is None: the caller wrote the
+    ids), seq_lens = positions + 1 and table[rows, positions] = slots. A row repeats at distinct positions (an
+    extend replayed as one decode row per token) or as the dummy row (a bucket's padding, whose entries all write
+    the same)."""
     n = rows.shape[0]
     if n:
         block = 256
-        _decode_inputs_kernel[(triton.cdiv(n, block),)](token_buf, table, rows, positions, slots, ids, seq_lens, n,
-                                                        table.stride(0), BLOCK=block, num_warps=4,
+        _decode_inputs_kernel[(triton.cdiv(n, block),)](ids if token_buf is None else token_buf, table, rows,
+                                                        positions, slots, ids, seq_lens, n, table.stride(0),
+                                                        GATHER=token_buf is not None, BLOCK=block, num_warps=4,
                                                         **pdl_args(rows))
