@@ -47,6 +47,8 @@ def workloads():
             "react_agent": (react_agent, {"question": "What is the capital of Italy?"})}
 
 
+GPU_KV_TOKENS = 262_144
+
 TARGETS = {"chain6": 0.6, "tree_of_thought": 0.8, "judge": 0.8, "react_agent": 0.8}
 
 
@@ -82,8 +84,13 @@ def main() -> None:
     a = ap.parse_args()
     prov = provenance("benchmarks/programs_bench.py", SHARED_MACHINE_NOTE)
     logs = [os.path.join(tempfile.gettempdir(), f"programs_bench_{w}.log") for w in ("on", "off")]
-    servers = [LmcServer(logs[0], ("--log-level", "warning")),
-               LmcServer(logs[1], ("--log-level", "warning", "--disable-continuation"))]
+    import torch
+
+    # Two servers share one GPU: each sizes its KV pool to GPU_KV_TOKENS instead of 85% of the device's memory
+    # (the second would find none left). The CPU's default pool is already small.
+    common = ("--log-level", "warning") + (("--max-total-tokens", str(GPU_KV_TOKENS))
+                                            if torch.cuda.is_available() else ())
+    servers = [LmcServer(logs[0], common), LmcServer(logs[1], (*common, "--disable-continuation"))]
     results = {}
     try:
         for srv in servers:
