@@ -76,6 +76,14 @@ def one(prog, args, ep, compiled) -> tuple[float, int, dict, dict]:
 WAYS = ("interpreted", "compiled", "compiled_no_continuation")
 
 
+def differences(outs: dict) -> list[dict]:
+    """Every variable of a run whose value differs from the first interpreted run's: (way, repetition, name, the
+    two values). Empty when every way gave the same variables."""
+    ref = outs["interpreted"][0]
+    return [{"way": w, "rep": i, "variable": k, "interpreted": ref.get(k), "got": v}
+            for w in WAYS for i, o in enumerate(outs[w]) for k, v in o.items() if ref.get(k) != v]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
@@ -126,6 +134,7 @@ def main() -> None:
                 "requests_interpreted": exact(reqs["interpreted"]), "requests_compiled": exact(reqs["compiled"]),
                 "requests_compiled_no_continuation": exact(reqs["compiled_no_continuation"]),
                 "same_variables": all(o == outs["interpreted"][0] for w in WAYS for o in outs[w]),
+                "differences": differences(outs),
                 "engine": {w: {k: spread(v) for k, v in engine[w].items()} for w in WAYS}}
             if name == "chain6":  # the static instance: exactly one HTTP request, every run
                 results[name]["static_one_request"] = all(n == 1 for n in reqs["compiled"])
