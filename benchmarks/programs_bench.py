@@ -146,10 +146,11 @@ def main() -> None:
     finally:
         for srv in servers:
             srv.stop()
-    out = {"provenance": finish(prov), "model": MODEL, "reps": a.reps, "workloads": results,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # the servers' (both: auto)
+    out = {"provenance": finish(prov), "model": MODEL, "device": device, "reps": a.reps, "workloads": results,
            "note": "ratio = compiled over /v1/programs / interpreted over RuntimeEndpoint, per repetition; "
                    "continuation_ratio = compiled / compiled on a server with --disable-continuation; one instance "
-                   "at a time, temperature 0; lmc serve on this machine's CPU. engine: the server's forwards and "
+                   "at a time, temperature 0; lmc serve on `device` (bf16 on a GPU). engine: the server's forwards and "
                    "computed tokens per instance, each way: decode steps are the same every way (the calls' "
                    "outputs), so they bound how far below 1 the ratio can go: forwards_ratio = compiled / "
                    "interpreted engine forwards per repetition, the time ratio if every forward cost the same and "
