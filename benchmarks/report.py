@@ -585,18 +585,20 @@ def render_start_cpu(r: dict, _dir: Path) -> str:
     ]) + "\n"
 
 
-@section("programs_latency.json")
+@section("programs_latency*.json")  # the CPU's record, and the H200's (programs_latency_h200.json)
 def render_programs_latency(r: dict, _dir: Path) -> str:
     """programs_bench.py: one instance's latency, compiled over /v1/programs vs interpreted over RuntimeEndpoint,
     and the compiled program with engine-side continuation off (the ablation)."""
+    device = r.get("device", "cpu")  # recorded since d5df9cf; the CPU's records before it ran on the CPU
+    where = "CPU" if device == "cpu" else f"{device}, bf16"
     rows = [[name, fig(w["interpreted_s"], 3, " s"), fig(w["compiled_s"], 3, " s"),
              fig(w["compiled_no_continuation_s"], 3, " s"), fig(w["ratio"], 2), f"<= {w['target_ratio']}",
              fig(w["continuation_ratio"], 2), count(w["requests_interpreted"]), count(w["requests_compiled"]),
              "yes" if w["same_variables"] else "no"] for name, w in r["workloads"].items()]
     static = r["workloads"].get("chain6", {}).get("static_one_request")
     return "\n".join([
-        "## Whole programs on the server: POST /v1/programs, one instance at a time\n",
-        f"{r['model']} behind `lmc serve` (a separate process, CPU). The compiled program sends each segment (the "
+        f"## Whole programs on the server: POST /v1/programs, one instance at a time ({where})\n",
+        f"{r['model']} behind `lmc serve` (a separate process, {where}). The compiled program sends each segment (the "
         "plan between graph breaks) as data in one request; the server runs it next to the engine, each run of "
         "calls between host breaks as ONE engine request that keeps its KV from call to call (engine-side "
         "continuation). The interpreted program makes its gens and selects one HTTP request at a time over "
