@@ -123,6 +123,28 @@ def test_decode_attention(head_dim, max_seq_len):
     run_decode([1, 37, 200], num_heads=4, num_kv_heads=2, head_dim=head_dim, max_seq_len=max_seq_len)
 
 
+def test_an_extend_as_one_decode_row_per_token_is_the_causal_extend():
+    """What a small extend's CUDA graph runs (lmc/runtime/cuda_graph.py): each new token a decode row of its own on
+    its request's table row, sequence length its position + 1, with every new token's K/V already in the pool. That
+    equals causal extend attention (float64 reference), with padding rows after them as in a bucket; the pool's
+    poisoned slots fail the test if any row reads past its length."""
+    dev = kernel_device(tk._decode_stage1_kernel)
+    prefix_lens, extend_lens = [150, 0, 20], [5, 3, 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_buf, v_buf, req_to_token, rows = (t.to(dev) for t in make_pool(seq_lens, 2, 64))
+    q = torch.randn(sum(extend_lens), 4, 64, generator=torch.Generator().manual_seed(3)).to(dev)
+    tok_rows = torch.repeat_interleave(rows, torch.tensor(extend_lens, device=dev))
+    positions = torch.cat([p + torch.arange(e) for p, e in zip(prefix_lens, extend_lens)]).to(dev)
+    pad = 3  # a bucket's padding rows: row 0 at position 0 (whatever they read, their outputs are not used)
+    q_pad = torch.cat([q, torch.zeros(pad, 4, 64, device=dev)])
+    out = tk.decode_attention(q_pad, k_buf, v_buf, req_to_token,
+                              torch.cat([tok_rows, torch.zeros(pad, dtype=torch.long, device=dev)]).to(torch.int32),
+                              torch.cat([positions + 1, torch.ones(pad, dtype=torch.long, device=dev)]),
+                              1 / math.sqrt(64), max(seq_lens) + 8)[:len(q)]
+    ref = reference(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, 1 / math.sqrt(64))
+    assert_close(out, ref, torch.float32)
+
+
 class NoStage2:
     """Test double for the stage-2 kernel: launching it fails the test."""
 
