@@ -112,6 +112,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=5, help="runs per mode (alternating)")
     ap.add_argument("--only", default=None, help="comma-separated examples (default: all seven)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="e.g. dummy:tiny@smollm2-135m-instruct: forwards of ~1 ms on the CPU, so the host's share "
+                         "of a program (what a GPU's fast forwards leave) shows")
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: start no example or repetition after it")
     ap.add_argument("--note", default="", help="added to the JSON (e.g. how busy the machine was)")
     ap.add_argument("--merge", action="store_true", help="keep the other examples of an existing --out file")
@@ -123,8 +126,8 @@ def main():
         ap.error(f"--only: unknown example(s) {unknown}; the examples are {', '.join(EXAMPLES)}")
     deadline = _deadline(args.deadline) if args.deadline else None
     past = (lambda: time.time() >= deadline) if deadline else (lambda: False)
-    backend = lmc.Local(device=args.device)
-    config = {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device),
+    backend = lmc.Local(args.model, device=args.device)
+    config = {"n": args.n, "repeat": args.repeat, "device": str(backend.engine.runner.device), "model": args.model,
               "machine": platform.node(), "order": "swapped every repetition"}
     invocation = provenance("benchmarks/compiler_bench.py", args.note)
     results = {"config": config, "provenance": dict(invocation), "examples": {}, "not_run": []}
@@ -182,9 +185,10 @@ def merged(path: str, config: dict, invocation: dict, names: list[str]) -> dict:
         return {"config": config, "provenance": dict(invocation), "examples": {}, "not_run": []}
     with open(path) as f:
         old = json.load(f)
-    if (old["config"]["n"], old["config"]["repeat"]) != (config["n"], config["repeat"]):
-        sys.exit(f"--merge: {path} was made with --n {old['config']['n']} --repeat {old['config']['repeat']}, "
-                 f"not --n {config['n']} --repeat {config['repeat']}; merge only runs of one size")
+    size = lambda c: (c["n"], c["repeat"], c.get("model", "smollm2-135m-instruct"))  # noqa: E731
+    if size(old["config"]) != size(config):
+        sys.exit(f"--merge: {path} was made with (--n, --repeat, --model) {size(old['config'])}, not "
+                 f"{size(config)}; merge only runs of one size and model")
     prov = old["provenance"]
     commands = [c for c in prov["command"].split(" && ") if c != invocation["command"]] + [invocation["command"]]
     prov.update(command=" && ".join(commands), note=invocation["note"] or prov.get("note", ""))

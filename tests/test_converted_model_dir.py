@@ -54,3 +54,12 @@ def test_dummy_shape_with_a_borrowed_tokenizer():
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (4096, 32, 49152)
     assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
     assert resolve(f"dummy:tiny@{src.tokenizer_dir}").hf_config.vocab_size == 49152  # a tokenizer directory too
+
+
+def test_dummy_shape_of_the_embedded_model():
+    """dummy:smollm2-135m is the embedded model's shape: built as ModelConfig, the two are the same model."""
+    from lmc.runtime.model.llama import ModelConfig
+
+    dummy = ModelConfig.from_hf(resolve(f"dummy:smollm2-135m@{MODEL}").hf_config)
+    real = ModelConfig.from_hf(resolve(MODEL).hf_config)
+    assert dummy == real

@@ -109,3 +109,36 @@ def test_small_extends_replay_graphs_and_equal_eager(gpu_engines, monkeypatch):
         assert len(replays) == n + 1 and replays[n] >= len(q), f"no extend graph replayed: {replays[n:]}"
         assert got_ids == want_ids and len(got_in) == len(want_in) >= len(q)
         assert max(abs(x - y) for x, y in zip(got_out + got_in, want_out + want_in)) < 1e-4
+
+
+def test_extends_past_the_largest_bucket_replay_in_chunks_and_equal_eager(gpu_engines, monkeypatch):
+    """An extend of more new tokens than the largest bucket (16 here) replays the extend graphs chunk after chunk:
+    one request's 40 new tokens, then 4 requests' 14 each in one forward (what a compiled program's next calls are),
+    with the eager engine's tokens, sampled logprobs and prompt logprobs."""
+    graphs, eager = gpu_engines
+    dg = graphs.runner.graphs
+    chunks = []
+    real = dg._replay_chunk
+    monkeypatch.setattr(dg, "_replay_chunk", lambda ids, *a: chunks.append(len(ids)) or real(ids, *a))
+    g = torch.Generator().manual_seed(31)
+    vocab = graphs.runner.cfg.vocab_size
+    shared = torch.randint(3, vocab, (100,), generator=g).tolist()
+    params = {**PARAMS, "max_new_tokens": 4}
+    for eng in (graphs, eager):
+        eng.flush_cache()
+        eng.generate(input_ids=shared, sampling_params=params)
+
+    def run(eng, qs):
+        res = eng.generate(input_ids=[shared + q for q in qs], sampling_params=params, return_logprob=True,
+                           logprob_start_len=len(shared) - 1)
+        return [(r["output_ids"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
+                 [lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None]) for r in res]
+
+    for qs in ([torch.randint(3, vocab, (40,), generator=g).tolist()],
+               [torch.randint(3, vocab, (14,), generator=g).tolist() for _ in range(4)]):
+        del chunks[:]
+        got, want = run(graphs, qs), run(eager, qs)
+        assert chunks[:2] == [16, 16], f"the extend did not replay in chunks: {chunks}"
+        for (gi, go, gin), (wi, wo, win) in zip(got, want):
+            assert gi == wi and len(gin) == len(win) >= len(qs[0])
+            assert max(abs(x - y) for x, y in zip(go + gin, wo + win)) < 1e-4

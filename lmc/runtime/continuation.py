@@ -7,7 +7,8 @@ as ONE request, which keeps its KV between the calls.
 
 When a step's call ends (stop, length), the scheduler does not finish the request: it appends the call's text and
 the next step's text to the chain's text, and re-encodes that text with the tokenizer, exactly as the next
-request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`), so the tokens are canonical and
+request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`; from the text's last special
+token on, prefix_encode.py, where that gives the same ids), so the tokens are canonical and
 outputs at temperature 0 equal the step-by-step ones. The KV of the longest common prefix of the old and new
 tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
 leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from .core import Req, RequestError, SamplingParams
+from .prefix_encode import EncodedPrefix, PrefixEncoder
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -115,6 +117,7 @@ class Chain:
     branch: int | None = None  # this chain is that branch of its parent's fork
     children: list[Req] | None = None  # the fork's branch requests, once spawned
     closed: bool = False  # (a branch) its end was handed to the caller
+    prefix: EncodedPrefix | None = None  # the text's encoded prefix, for re-encoding it (prefix_encode.py)
 
 
 def select_params(start: int, token_ids: list[int]) -> SamplingParams:
@@ -138,7 +141,7 @@ def single_tokens(ids: list[int], prompts: list[list[int]], step: ChainStep) -> 
     return None
 
 
-def fused_prompts(tokenizer, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
+def fused_prompts(encoder: PrefixEncoder, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
     """Select fusion: where the select at `at` is followed by a plain greedy gen, each choice's child may
     prefill on into that gen's prompt (text + choice + the gen's text) and sample its first token; the
     winner's prompt is the gen's prompt, so the gen starts from its KV with its first token known, one
@@ -152,7 +155,7 @@ def fused_prompts(tokenizer, chain: Chain, at: int, text: str, prompts: list[lis
             or g.logit_bias or g.frequency_penalty or g.presence_penalty or g.repetition_penalty != 1.0):
         return None
     choices = chain.steps[at].choices
-    out = [tokenizer.encode(text + c + nxt.text) for c in choices]
+    out = [encoder.encode(text + c + nxt.text, chain.prefix) for c in choices]
     if any(f[:len(p)] != p or len(f) >= limit for f, p in zip(out, prompts)):
         return None
     extra = sum(len(f) - len(p) for f, p in zip(out, prompts)) - min(len(f) - len(p) for f, p in zip(out, prompts))
@@ -172,7 +175,7 @@ class SelectPlan:
     latency: bool = False  # fused although scorable by ids (latency fusion)
 
 
-def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], limit: int,
+def plan_select(encoder: PrefixEncoder, chain: Chain, at: int, text: str, ids: list[int], limit: int,
                 latency_fusion: Callable[[list[list[int]], int], bool] | None = None) -> SelectPlan | None:
     """How to score the select at `at` after `text` (encoded: `ids`); None: a choice's prompt reaches `limit`.
     Scoring by ids goes first (one request, one forward over the text's end), else the children, fused where
@@ -182,11 +185,11 @@ def plan_select(tokenizer, chain: Chain, at: int, text: str, ids: list[int], lim
     queued): whether fused children's prompts (their prompt logprobs from a position) are cheap enough to fuse
     a select scored by ids too."""
     step = chain.steps[at]
-    prompts = [tokenizer.encode(text + c) for c in step.choices]
+    prompts = [encoder.encode(text + c, chain.prefix) for c in step.choices]
     by_ids = single_tokens(ids, prompts, step)
     if max(map(len, prompts)) >= limit:
         return SelectPlan(by_ids=by_ids) if by_ids is not None else None
-    fused = fused_prompts(tokenizer, chain, at, text, prompts, limit)
+    fused = fused_prompts(encoder, chain, at, text, prompts, limit)
     if by_ids is not None and (fused is None or latency_fusion is None
                                or not latency_fusion(fused, max(len(ids) - 2, 0))):
         return SelectPlan(by_ids=by_ids)
@@ -258,13 +261,14 @@ def _steps(steps, vocab_size: int, limits: dict, grammars, hints, label: str, fo
     return out
 
 
-def start(r: Req, tokenizer, chain: Chain, limit: int) -> None:
+def start(r: Req, encoder: PrefixEncoder, chain: Chain, limit: int) -> None:
     """Point a new request at its chain's first step (its input ids are the encoded prompt). A first step that
     is a select scored by children (`at` -1: multi-token choices, or fusion) queues them as the scheduler adds r
     (r holds no KV: the children compute the prompt, sharing it in their batch)."""
     r.chain = chain
+    chain.prefix = encoder.prefix(chain.text, r.input_ids, chain.prefix)
     step = chain.steps[0]
-    plan = plan_select(tokenizer, chain, 0, chain.text, r.input_ids, limit) if step.choices is not None else None
+    plan = plan_select(encoder, chain, 0, chain.text, r.input_ids, limit) if step.choices is not None else None
     if plan is not None and plan.by_ids is not None:
         r.input_ids, start, tokens = plan.by_ids
         r.params = select_params(start, tokens)
@@ -328,11 +332,12 @@ class Continuation:
         limit = min(s.context_length, s.memory.slots.num_slots)
         if step.branches is not None:
             return self._fork(r, new_text, step, nxt_at, limit)
-        ids = s.tokenizer.encode(new_text)
+        ids = s.encoder.encode(new_text, chain.prefix)
         if len(ids) >= limit:
             chain.stopped_at = nxt_at
             return False
-        plan = (plan_select(s.tokenizer, chain, nxt_at, new_text, ids, limit, self._latency_fusion(r))
+        chain.prefix = s.encoder.prefix(new_text, ids, chain.prefix)
+        plan = (plan_select(s.encoder, chain, nxt_at, new_text, ids, limit, self._latency_fusion(r))
                 if step.choices is not None else None)
         if step.choices is not None and (plan is None or plan.by_ids is None):
             if plan is None:  # a choice's prompt is past the context
@@ -442,14 +447,14 @@ class Continuation:
         s, chain = self.s, r.chain
         children = []
         for b, steps in enumerate(step.branches):
-            sub = Chain(steps, text + steps[0].text, branch=b)
-            ids = s.tokenizer.encode(sub.text)
+            sub = Chain(steps, text + steps[0].text, branch=b, prefix=chain.prefix)
+            ids = s.encoder.encode(sub.text, sub.prefix)
             if len(ids) >= limit:
                 chain.stopped_at = at
                 return False
             child = Req(ids, SamplingParams(), program=steps[0].program if steps[0].program is not None
                         else r.program)
-            start(child, s.tokenizer, sub, limit)
+            start(child, s.encoder, sub, limit)
             child.fork_parent, child.on_progress = r, r.on_progress
             children.append(child)
         chain.text, chain.at, chain.children = text, at, children

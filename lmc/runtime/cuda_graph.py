@@ -21,7 +21,11 @@ slot-table row at its own position. The graph writes every row's slot into the t
 each layer stores every row's K/V before its attention runs, so row i attends to positions [0, position_i]: the
 causal extend, in one replay where an eager forward costs ~25 ms of kernel launches on the H200 (SmolLM2, see
 benchmarks/gpu_forward_probe.py). Its input ids are copied in (the host has them); a running request decoding
-inside that forward reads its id from the token buffer before the replay.
+inside that forward reads its id from the token buffer before the replay. An extend of more tokens than the
+largest bucket replays it several times, one chunk of tokens after the other (a chunk's rows attend to the KV the
+chunks before it wrote): what a compiled program's forwards are, the texts of many instances' next calls at
+once, which eagerly cost those ~25 ms each (a trace of 32 counted_list instances on the H200: 8 of 11 extends,
+2/3 of the run's time). Each extra chunk reads the weights once more, so only small models chunk (the budget).
 """
 from __future__ import annotations
 
@@ -31,12 +35,19 @@ from .attention import ForwardBatch
 from .kernels import triton_ops
 from .memory import DUMMY_ROW
 
-# An extend replays a graph while its new tokens fit a bucket of at most this many rows and their attention's
-# re-reads stay small: each new token, a decode row of its own, reads its whole context, where the eager extend
-# kernel reads it once per block of tokens. 4 GB (~1 ms of the H200's bandwidth) against the ~25 ms of launches
-# the replay saves; a 7B's 16 tokens on a 500-token context read 4 GB, SmolLM2's 64 on 2,000 tokens 3 GB.
+# An extend replays graphs, in chunks of at most this many rows (a bucket), while what the replays read beyond an
+# eager forward stays small: each new token, a decode row of its own, reads its whole context, where the eager
+# extend kernel reads it once per block of tokens, and each chunk after the first reads the weights again.
+# 4 GB (~1 ms of the H200's bandwidth) against the ~25 ms of launches the replays save; a 7B's 16 tokens on a
+# 500-token context read 4 GB (one chunk: its weights are 13 GB), SmolLM2's 64 on 2,000 tokens 3 GB, its 192 on
+# 500 tokens 2.7 GB (three chunks, 0.5 GB of weights read twice more).
 EXTEND_MAX_TOKENS = 64
 EXTEND_MAX_REREAD_BYTES = 4 << 30
+
+
+def extend_chunks(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of each replay of an extend of `num_tokens` tokens in chunks of at most `chunk` rows."""
+    return [(a, min(a + chunk, num_tokens)) for a in range(0, num_tokens, chunk)]
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -62,6 +73,7 @@ class DecodeGraphs:
         self.extend_max = min(EXTEND_MAX_TOKENS, max_bs)
         k = runner.kv.k
         self.kv_bytes_per_token = 2 * len(k) * k[0][0].numel() * k[0].element_size()  # every layer's K and V
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         self.pool = None
         for bs in reversed(buckets(max_bs)):  # largest first, so smaller graphs reuse its memory pool
             self.graphs[bs], self.batches[bs], self.logits[bs] = self._capture(bs, cascade=False)
@@ -108,17 +120,36 @@ class DecodeGraphs:
         self.positions[lo:hi], self.slots[lo:hi], self.rows[lo:hi] = 0, 0, DUMMY_ROW
 
     def replays_extend(self, num_tokens: int, max_seq_len: int) -> bool:
-        """Whether an extend forward of `num_tokens` new tokens, none past position `max_seq_len`, replays a graph
-        (module docstring; EXTEND_MAX_REREAD_BYTES)."""
-        return (num_tokens <= self.extend_max
-                and num_tokens * max_seq_len * self.kv_bytes_per_token <= EXTEND_MAX_REREAD_BYTES)
+        """Whether an extend forward of `num_tokens` new tokens, none past position `max_seq_len`, replays graphs
+        (module docstring; EXTEND_MAX_REREAD_BYTES): its attention's re-reads and the extra chunks' weight reads."""
+        extra_chunks = -(-num_tokens // self.extend_max) - 1
+        reread = num_tokens * max_seq_len * self.kv_bytes_per_token + extra_chunks * self.weight_bytes
+        return reread <= EXTEND_MAX_REREAD_BYTES
 
     @torch.inference_mode()
-    def replay_extend(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      rows: torch.Tensor) -> torch.Tensor:
+    def replay_extend(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                      logit_pos: torch.Tensor) -> torch.Tensor:
         """An extend of n tokens (replays_extend said yes), as [n] device tensors per new token: its id, position,
-        KV slot and its request's slot-table row. Returns the [n, V] logits of every token, a view of the graph's
-        buffer valid until the next replay."""
+        KV slot and its request's slot-table row. Returns the logits at the token indices `logit_pos` ([L, V], a
+        tensor of its own: a chunk's rows are copied out of the graph's buffer before the next replay overwrites
+        it). The chunks run in order on the stream, so a token's context (earlier chunks') is written when its
+        chunk attends."""
+        chunks = extend_chunks(len(rows), self.extend_max)
+        if len(chunks) == 1:
+            return self._replay_chunk(ids, positions, slots, rows)[logit_pos]
+        out = None
+        for a, b in chunks:
+            logits = self._replay_chunk(ids[a:b], positions[a:b], slots[a:b], rows[a:b])
+            local = logit_pos - a
+            mine = ((local >= 0) & (local < b - a))[:, None]
+            got = logits[local.clamp(0, b - a - 1)]  # (a gather, not a masked select: no host sync)
+            out = got if out is None else torch.where(mine, got, out)
+        return out
+
+    def _replay_chunk(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """One replay of the extend graph of the smallest bucket that holds these n tokens: their [n, V] logits, a
+        view of the graph's buffer valid until the next replay."""
         n = len(rows)
         bs = next(b for b in sorted(self.graphs) if b >= n)
         if bs not in self.extend:

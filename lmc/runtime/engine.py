@@ -212,7 +212,7 @@ class Engine:
             first = chain.steps[0]
             req = self.make_request(first.text, first.gen or {"max_new_tokens": 1},
                                     program=first.program if first.program is not None else program)
-            continuation.start(req, self.tokenizer, chain, min(self.context_length, self.max_total_tokens))
+            continuation.start(req, self.scheduler.encoder, chain, min(self.context_length, self.max_total_tokens))
         except RequestError as e:
             fut.set_exception(e)
             return fut

@@ -363,9 +363,9 @@ class ModelRunner:
                 ids = ids.clone()
                 ids[fb_pos] = self.token_buf[fb_rows]
             if self.graphs is not None and self.graphs.replays_extend(n_tok, max_seq):
-                # one decode row per new token (cuda_graph.py); the gather copies the needed rows out of the
-                # graph's buffer, which the next replay overwrites
-                return self.graphs.replay_extend(ids, positions, slots, tok_rows)[logit_pos], sample_rows
+                # one decode row per new token, in replays of at most a bucket's rows (cuda_graph.py); the logits
+                # asked for are gathered out of the graphs' buffers, which the next replay overwrites
+                return self.graphs.replay_extend(ids, positions, slots, tok_rows, logit_pos), sample_rows
         self.table[tok_rows, positions] = slots.to(torch.int32)
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,

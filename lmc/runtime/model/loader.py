@@ -36,6 +36,12 @@ DUMMY_SHAPES = {
     "llama-2-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                         intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    # The embedded model's shape (its weights cannot travel to a lent GPU machine; its tokenizer can:
+    # dummy:smollm2-135m@<tokenizer dir> runs the example programs at the real model's cost per forward).
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                         rms_norm_eps=9.999999747378752e-06, rope_theta=100000.0, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2),

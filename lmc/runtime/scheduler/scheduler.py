@@ -41,6 +41,7 @@ import torch
 from ..continuation import Continuation, ran_a_call
 from ..core import Req
 from ..jump_forward import REQUEUE, JumpForwarder
+from ..prefix_encode import PrefixEncoder
 from ..runner import Launch, ModelRunner, ScheduledBatch, StepOutput
 from . import decode, prefill
 from .cache import CacheManager
@@ -66,6 +67,7 @@ class Scheduler:
         `overlap`: process each batch while the next one runs (module docstring)."""
         get_policy(cfg.policy)  # an unknown name fails here, not in a step
         self.runner, self.cfg, self.tokenizer = runner, cfg, tokenizer
+        self.encoder = PrefixEncoder(tokenizer) if tokenizer is not None else None  # chains' re-encodings
         self.context_length = runner.context_length
         self.disable_radix_cache = disable_radix_cache
         self.grammars, self.enable_jump_forward, self.debug_checks = grammars, enable_jump_forward, debug_checks
