@@ -100,3 +100,17 @@ def test_a_tokenizer_the_identity_fails_for_is_never_split(tokenizer):
     text = "<|im_start|>user\nHi there<|im_end|>\n"
     assert enc.prefix(text, double.encode(text)) is None
     assert enc.encode(text + "x") == double.encode(text + "x")
+
+
+def test_gpt2_byte_level_configs():
+    """tokenizer.json forms of GPT-2's byte-level BPE (the embedded model's, as transformers 5.25 and, from the
+    GGUF, 5.17 write it) are recognized; a normalizer or a prefix space is not."""
+    from lmc.runtime.prefix_encode import gpt2_byte_level
+
+    pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    bpe = {"type": "BPE", "dropout": None, "byte_fallback": True}
+    assert gpt2_byte_level({"normalizer": None, "pre_tokenizer": pre, "model": bpe})
+    assert gpt2_byte_level({"normalizer": {"type": "Sequence", "normalizers": []}, "pre_tokenizer": pre, "model": bpe})
+    assert not gpt2_byte_level({"normalizer": {"type": "NFC"}, "pre_tokenizer": pre, "model": bpe})
+    assert not gpt2_byte_level({"normalizer": None, "pre_tokenizer": {**pre, "add_prefix_space": True}, "model": bpe})
+    assert not gpt2_byte_level({"normalizer": None, "pre_tokenizer": {"type": "Metaspace"}, "model": bpe})

@@ -32,6 +32,15 @@ from functools import cached_property
 WITNESS = 2  # characters of the text after a space cut that its stability depends on
 
 
+def gpt2_byte_level(cfg: dict) -> bool:
+    """Whether a tokenizer.json config is GPT-2's byte-level BPE: no normalizer (none, or an empty sequence, as
+    transformers writes one converted from GGUF), the ByteLevel pre-tokenizer with its regex and no prefix space."""
+    norm, pre, model = cfg.get("normalizer"), cfg.get("pre_tokenizer") or {}, cfg.get("model") or {}
+    no_norm = norm is None or (norm.get("type") == "Sequence" and not norm.get("normalizers"))
+    return (no_norm and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and model.get("type") == "BPE" and not model.get("dropout"))
+
+
 @dataclass(frozen=True)
 class EncodedPrefix:
     """A stable cut of a text: a new text that starts with `text` encodes as `ids` + the encoding of the rest from
@@ -62,10 +71,7 @@ class PrefixEncoder:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or any(" " in t for t in self.added):
             return False
-        cfg = json.loads(backend.to_str())
-        pre, model = cfg.get("pre_tokenizer") or {}, cfg.get("model") or {}
-        return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-                and not pre.get("add_prefix_space") and model.get("type") == "BPE" and not model.get("dropout"))
+        return gpt2_byte_level(json.loads(backend.to_str()))
 
     def _holds(self, kind: str) -> bool:
         """Whether the probes find cuts of this kind, and encoding from each gives the full encoding."""
