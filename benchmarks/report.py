@@ -97,6 +97,8 @@ def command(res: dict) -> str:
                 f"start, {num(prov.get('load_avg_1m_end', prov['load_avg_1m_start']))} at the end.")
     if prov.get("note"):
         out += f" Note: {prov['note']}."
+    if res.get("note_after_run"):  # a correction written after the run, the recorded text and numbers untouched
+        out += f" {res['note_after_run']}"
     return out
 
 
@@ -217,7 +219,7 @@ def render_h200_fp32(r: dict, _dir: Path) -> str:
 @section("gpu_logits_*.json")
 def render_gpu_logits(r: dict, _dir: Path) -> str:
     return "\n".join([f"### Correctness in {r['dtype'].removeprefix('torch.')} ({r['device']}, `{r['shape']}`)\n",
-                      command(r), "", _logits(r), "", r.get("note_after_run", "")]) + "\n"
+                      command(r), "", _logits(r)]) + "\n"
 
 
 def _target(v: float | None, got: float, at_most: bool = True, unit: str = "", digits: int = 2) -> str:
