@@ -78,37 +78,56 @@ def test_shared_prefix_decode_replays_a_cascade_graph(gpu_engines, monkeypatch):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+def count_calls(monkeypatch, obj, name: str) -> list[int]:
+    """The number of tokens (the first argument's length) of every call of obj.name from now on."""
+    calls, real = [], getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda ids, *a: calls.append(len(ids)) or real(ids, *a))
+    return calls
+
+
+def cached_prefix(engines, n: int, seed: int) -> tuple[list[int], torch.Generator]:
+    """n random tokens, computed and cached in every engine (flushed first), and the generator that made them."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, engines[0].runner.cfg.vocab_size, (n,), generator=g).tolist()
+    for eng in engines:
+        eng.flush_cache()
+        eng.generate(input_ids=shared, sampling_params=EXTEND_PARAMS)
+    return shared, g
+
+
+EXTEND_PARAMS = {**PARAMS, "max_new_tokens": 4}
+
+
+def extend_outputs(eng, shared: list[int], suffixes: list[list[int]]) -> list[tuple[list, list, list]]:
+    """Per request shared + suffix, in one generate call: output ids, their logprobs, the prompt logprobs from the
+    prefix's last token on (so its logits are asked for again: it is in the extend too)."""
+    res = eng.generate(input_ids=[shared + q for q in suffixes], sampling_params=EXTEND_PARAMS, return_logprob=True,
+                       logprob_start_len=len(shared) - 1)
+    return [(r["output_ids"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
+             [lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None]) for r in res]
+
+
+def assert_same_outputs(got, want, min_prompt_logprobs: int) -> None:
+    for (gi, go, gin), (wi, wo, win) in zip(got, want, strict=True):
+        assert gi == wi and len(gin) == len(win) >= min_prompt_logprobs
+        assert max(abs(x - y) for x, y in zip(go + gin, wo + win)) < 1e-4
+
+
 def test_small_extends_replay_graphs_and_equal_eager(gpu_engines, monkeypatch):
     """A few new tokens on a cached prefix (a program's text between two calls) replay their bucket's extend graph,
     one decode row per new token (cuda_graph.py), and give the eager engine's tokens, sampled logprobs and prompt
     logprobs; one request at a time, so each extend is its request's alone."""
     graphs, eager = gpu_engines
-    dg = graphs.runner.graphs
-    replays = []
-    real = dg.replay_extend
-    monkeypatch.setattr(dg, "replay_extend", lambda ids, *a: replays.append(len(ids)) or real(ids, *a))
-    g = torch.Generator().manual_seed(21)
+    replays = count_calls(monkeypatch, graphs.runner.graphs, "replay_extend")
+    shared, g = cached_prefix(gpu_engines, 120, seed=21)
     vocab = graphs.runner.cfg.vocab_size
-    shared = torch.randint(3, vocab, (120,), generator=g).tolist()
-    suffixes = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (1, 3, 7, 12)]
-    params = {**PARAMS, "max_new_tokens": 4}
-    for eng in (graphs, eager):
-        eng.flush_cache()
-        eng.generate(input_ids=shared, sampling_params=params)  # the prefix, cached
-
-    def run(eng, q):
-        r = eng.generate(input_ids=shared + q, sampling_params=params, return_logprob=True,
-                         logprob_start_len=len(shared) - 1)
-        return (r["output_ids"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
-                [lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None])
-
-    for q in suffixes:
+    for k in (1, 3, 7, 12):
+        q = torch.randint(3, vocab, (k,), generator=g).tolist()
         n = len(replays)
-        (got_ids, got_out, got_in), (want_ids, want_out, want_in) = run(graphs, q), run(eager, q)
+        got, want = extend_outputs(graphs, shared, [q]), extend_outputs(eager, shared, [q])
         # one extend (its new tokens, and the prefix's last one where its logits are asked again), then decodes
-        assert len(replays) == n + 1 and replays[n] >= len(q), f"no extend graph replayed: {replays[n:]}"
-        assert got_ids == want_ids and len(got_in) == len(want_in) >= len(q)
-        assert max(abs(x - y) for x, y in zip(got_out + got_in, want_out + want_in)) < 1e-4
+        assert len(replays) == n + 1 and replays[n] >= k, f"no extend graph replayed: {replays[n:]}"
+        assert_same_outputs(got, want, k)
 
 
 def test_extends_past_the_largest_bucket_replay_in_chunks_and_equal_eager(gpu_engines, monkeypatch):
@@ -116,29 +135,12 @@ def test_extends_past_the_largest_bucket_replay_in_chunks_and_equal_eager(gpu_en
     one request's 40 new tokens, then 4 requests' 14 each in one forward (what a compiled program's next calls are),
     with the eager engine's tokens, sampled logprobs and prompt logprobs."""
     graphs, eager = gpu_engines
-    dg = graphs.runner.graphs
-    chunks = []
-    real = dg._replay_chunk
-    monkeypatch.setattr(dg, "_replay_chunk", lambda ids, *a: chunks.append(len(ids)) or real(ids, *a))
-    g = torch.Generator().manual_seed(31)
+    chunks = count_calls(monkeypatch, graphs.runner.graphs, "_replay_chunk")
+    shared, g = cached_prefix(gpu_engines, 100, seed=31)
     vocab = graphs.runner.cfg.vocab_size
-    shared = torch.randint(3, vocab, (100,), generator=g).tolist()
-    params = {**PARAMS, "max_new_tokens": 4}
-    for eng in (graphs, eager):
-        eng.flush_cache()
-        eng.generate(input_ids=shared, sampling_params=params)
-
-    def run(eng, qs):
-        res = eng.generate(input_ids=[shared + q for q in qs], sampling_params=params, return_logprob=True,
-                           logprob_start_len=len(shared) - 1)
-        return [(r["output_ids"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]],
-                 [lp[0] for lp in r["meta_info"]["input_token_logprobs"] if lp[0] is not None]) for r in res]
-
-    for qs in ([torch.randint(3, vocab, (40,), generator=g).tolist()],
-               [torch.randint(3, vocab, (14,), generator=g).tolist() for _ in range(4)]):
+    for k, n in ((40, 1), (14, 4)):
+        qs = [torch.randint(3, vocab, (k,), generator=g).tolist() for _ in range(n)]
         del chunks[:]
-        got, want = run(graphs, qs), run(eager, qs)
+        got, want = extend_outputs(graphs, shared, qs), extend_outputs(eager, shared, qs)
         assert chunks[:2] == [16, 16], f"the extend did not replay in chunks: {chunks}"
-        for (gi, go, gin), (wi, wo, win) in zip(got, want):
-            assert gi == wi and len(gin) == len(win) >= len(qs[0])
-            assert max(abs(x - y) for x, y in zip(go + gin, wo + win)) < 1e-4
+        assert_same_outputs(got, want, k)
