@@ -185,10 +185,12 @@ def merged(path: str, config: dict, invocation: dict, names: list[str]) -> dict:
         return {"config": config, "provenance": dict(invocation), "examples": {}, "not_run": []}
     with open(path) as f:
         old = json.load(f)
-    size = lambda c: (c["n"], c["repeat"], c.get("model", "smollm2-135m-instruct"))  # noqa: E731
+    def size(c: dict) -> str:
+        return f"--n {c['n']} --repeat {c['repeat']} --model {c.get('model', 'smollm2-135m-instruct')}"
+
     if size(old["config"]) != size(config):
-        sys.exit(f"--merge: {path} was made with (--n, --repeat, --model) {size(old['config'])}, not "
-                 f"{size(config)}; merge only runs of one size and model")
+        sys.exit(f"--merge: {path} was made with {size(old['config'])}, not {size(config)}; merge only runs of "
+                 "one size and model")
     prov = old["provenance"]
     commands = [c for c in prov["command"].split(" && ") if c != invocation["command"]] + [invocation["command"]]
     prov.update(command=" && ".join(commands), note=invocation["note"] or prov.get("note", ""))

@@ -540,6 +540,8 @@ def test_compiler_bench_merge_keeps_the_other_examples_and_lists_every_command(t
     got = merged(str(out), config, second, ["react_agent"])
     assert list(got["examples"]) == ["judge"] and got["not_run"] == []  # react_agent is measured again
     assert got["provenance"]["command"] == f"{first['command']} && {second['command']}"
-    with pytest.raises(SystemExit, match="--n 32 --repeat 5, not --n 8 --repeat 5"):
+    with pytest.raises(SystemExit, match="--n 32 --repeat 5 --model smollm2-135m-instruct, not --n 8 --repeat 5"):
         merged(str(out), {"n": 8, "repeat": 5}, second, ["judge"])
+    with pytest.raises(SystemExit, match="not --n 32 --repeat 5 --model dummy:tiny"):  # (a file before --model)
+        merged(str(out), {**config, "model": "dummy:tiny"}, second, ["judge"])
     assert merged(str(tmp_path / "none.json"), config, second, ["judge"])["provenance"] == second
