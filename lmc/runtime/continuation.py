@@ -7,8 +7,8 @@ as ONE request, which keeps its KV between the calls.
 
 When a step's call ends (stop, length), the scheduler does not finish the request: it appends the call's text and
 the next step's text to the chain's text, and re-encodes that text with the tokenizer, exactly as the next
-request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`; from the text's last special
-token on, prefix_encode.py, where that gives the same ids), so the tokens are canonical and
+request of a step-by-step run would encode its prompt (`tokenizer.encode(text)`; the same ids computed from the
+text's last stable cut on, prefix_encode.py), so the tokens are canonical and
 outputs at temperature 0 equal the step-by-step ones. The KV of the longest common prefix of the old and new
 tokens is kept (as jump-forward keeps the unchanged prefix when it retokenizes; jump_forward.py); the request
 leaves the running batch for `Scheduler.continuing` and its next prefill chunk extends it from there: no return to
@@ -141,7 +141,8 @@ def single_tokens(ids: list[int], prompts: list[list[int]], step: ChainStep) -> 
     return None
 
 
-def fused_prompts(encoder: PrefixEncoder, chain: Chain, at: int, text: str, prompts: list[list[int]], limit: int) -> list | None:
+def fused_prompts(encoder: PrefixEncoder, chain: Chain, at: int, text: str, prompts: list[list[int]],
+                  limit: int) -> list | None:
     """Select fusion: where the select at `at` is followed by a plain greedy gen, each choice's child may
     prefill on into that gen's prompt (text + choice + the gen's text) and sample its first token; the
     winner's prompt is the gen's prompt, so the gen starts from its KV with its first token known, one

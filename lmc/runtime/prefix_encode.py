@@ -59,7 +59,7 @@ class PrefixEncoder:
             i: t.content for i, t in decoder.items()
             if t.content and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
         self.added = [t.content for t in decoder.values()]
-        self.kinds: frozenset[str] = frozenset()  # the kinds of cut in use: "special", "space"
+        # the kinds of cut in use: "special", "space"
         self.kinds = frozenset(k for k, ok in (("special", bool(self.splitting)), ("space", self._gpt2_byte_level()))
                                if ok and self._holds(k))
 
@@ -81,7 +81,7 @@ class PrefixEncoder:
             heads = ["a b", "Hello world", "x. y", "don't stop", "3 4", "it 's", "é ü", "a\n b c", "f(x) = y"]
         enc = self.tokenizer.encode
         tails = ("", "x", " x", "\n", "\n\n y", "hello world", "'s", "'ll do", "  ", " é ü", "1 2",
-                 *self.splitting.values())
+                 *list(self.splitting.values())[:3])
         for head in heads:
             p = self.prefix(head, enc(head), kinds=frozenset([kind]))
             if p is None:
