@@ -4,6 +4,10 @@ the per-call time inside a replayed CUDA graph (as a decode step runs them) over
 do not fit in L2, against the byte floor (weight + activations over the copy bandwidth measured here).
 
     python benchmarks/gpu_gemm_sweep.py --out gemm_sweep.json    # on the GPU; prints the best config per shape
+
+--gated: the gate_up shapes with the SiLU-mul in the skinny GEMM's epilogue (skinny_gemm(..., gated=True), tiles
+of at least 32 rows) against the product and kernels.silu_mul as two launches (the table's tile, or cuBLAS where the
+table has none), both timed the same way: skinny_gemm.GATED_CONFIGS.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lmc.runtime import kernels  # noqa: E402
 from lmc.runtime.kernels.skinny_gemm import CONFIGS as TABLE, _block_m, _skinny_gemm_kernel, skinny_gemm  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -100,9 +105,15 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--split", action="store_true", help="sweep the split-K tiles (SPLIT_CONFIGS) instead")
     ap.add_argument("--large", action="store_true", help="tiles with BLOCK_M for M > MAX_M (LARGE_CONFIGS)")
+    ap.add_argument("--gated", action="store_true", help="gate_up with the SiLU-mul epilogue (module docstring)")
     args = ap.parse_args()
-    configs = LARGE_CONFIGS if args.large else SPLIT_CONFIGS if args.split else CONFIGS
-    gemm = tiled_gemm if args.large else skinny_gemm
+    if args.gated:
+        args.shapes = ",".join(name for name in args.shapes.split(",") if name.endswith("gate_up"))
+        configs = [c for c in CONFIGS if c[0] >= 32]
+        gemm = lambda x, w, cfg: skinny_gemm(x, w, cfg, gated=True)  # noqa: E731
+    else:
+        configs = LARGE_CONFIGS if args.large else SPLIT_CONFIGS if args.split else CONFIGS
+        gemm = tiled_gemm if args.large else skinny_gemm
     global _COUNTERS
     _COUNTERS = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -118,6 +129,10 @@ def main():
                "cublas_us": per_call_us(lambda x, w: F.linear(x, w), xs, ws), "triton": []}
         ref = F.linear(xs[0], ws[0]).float()
         current = None if args.large else TABLE.get((_block_m(m), n, k))  # the table's tile too, so a sweep's best never loses to it
+        if args.gated:  # the baseline: the product as kernels.linear runs it, then silu_mul
+            row["apart_us"] = per_call_us(lambda x, w: kernels.silu_mul(kernels.linear(x, w)), xs, ws)
+            gu = ref.double()
+            ref = (F.silu(gu[:, :n // 2]) * gu[:, n // 2:]).float()
         for cfg in configs + ([current] if current is not None and current not in configs else []):
             try:
                 err = ((gemm(xs[0], ws[0], cfg).float() - ref).norm() / ref.norm()).item()
@@ -131,8 +146,9 @@ def main():
         row["top3"] = sorted(ok, key=lambda t: t["us"])[:3]
         row["best"] = best
         res["shapes"].append(row)
+        apart = f"apart {row['apart_us']:7.1f} " if args.gated else ""
         print(f"{name:20s} M={m:3d} floor {floor:7.1f} us compute {compute_us:7.1f}  cublas {row['cublas_us']:7.1f} "
-              f"({floor / row['cublas_us']:.0%})  triton {best['us']:7.1f} ({floor / best['us']:.0%}) "
+              f"({floor / row['cublas_us']:.0%})  {apart}triton {best['us']:7.1f} ({floor / best['us']:.0%}) "
               f"{best['config']} err {best['rel_err']:.1e} top3 {[(t['config'], round(t['us'], 1)) for t in row['top3']]}", flush=True)
         del ws, xs
         torch.cuda.empty_cache()

@@ -49,6 +49,21 @@ def test_split_k_matches_a_float64_product_and_leaves_its_counters_zero(m, n, k,
         assert not sg._counters[y.device].any()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("m,inter,k,config", [(1, 24, 64, (32, 32, 4, 2)), (5, 70, 96, (64, 64, 4, 2)),
+                                              (17, 33, 128, (32, 64, 4, 3)), (64, 40, 300, (32, 128, 4, 2))])
+def test_gated_product_is_silu_mul_of_the_float64_product(dtype, tol, m, inter, k, config):
+    """The SiLU-mul epilogue: w [2I, K] as the MLP's gate_up (gate rows, then up rows); partial output tiles (70 and
+    33 outputs over 32- and 16-output halves), partial K (300), M past one tile (17, 64), every output written."""
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    x, w = rand(m, k, dtype=dtype, dev=dev, seed=0), rand(2 * inter, k, dtype=dtype, dev=dev, seed=1)
+    y = sg.skinny_gemm(x, w, config, gated=True)
+    gate_up = x.double() @ w.double().T
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert y.shape == (m, inter) and y.dtype == dtype and torch.isfinite(y).all()
+    assert rel(y, want) < tol
+
+
 def test_skinny_gemm_rejects_what_it_cannot_serve():
     dev = kernel_device(sg._skinny_gemm_kernel)
     w = torch.zeros(8, 32, device=dev)
@@ -56,18 +71,26 @@ def test_skinny_gemm_rejects_what_it_cannot_serve():
         sg.skinny_gemm(torch.zeros(2, 16, device=dev), w, (16, 32, 4, 2))
     with pytest.raises(ValueError, match="at most"):
         sg.skinny_gemm(torch.zeros(sg.MAX_M + 1, 32, device=dev), w, (16, 32, 4, 2))
+    with pytest.raises(ValueError, match="no split K"):
+        sg.skinny_gemm(torch.zeros(2, 32, device=dev), w, (32, 32, 4, 2, 2), gated=True)
+    with pytest.raises(ValueError, match=r"w \[2I, K\]"):
+        sg.skinny_gemm(torch.zeros(2, 32, device=dev), torch.zeros(7, 32, device=dev), (32, 32, 4, 2), gated=True)
 
 
 def test_config_table_serves_only_decode_batches():
     assert sg.config_for(1, 12288, 4096) is not None  # llama-2-7b qkv at batch 1
     assert sg.config_for(sg.MAX_M + 1, 12288, 4096) is None and sg.config_for(0, 12288, 4096) is None
     assert sg.config_for(1, 12345, 4096) is None  # an unmeasured shape stays on cuBLAS
+    # the gated product only where it measured faster: llama-3-8b's gate_up, not llama-2-7b's
+    assert sg.config_for(8, 28672, 4096, gated=True) is not None and sg.config_for(8, 22016, 4096, gated=True) is None
+    assert all(len(c) == 4 and c[0] >= 32 for c in sg.GATED_CONFIGS.values())  # unsplit, two 16-row halves at least
 
 
 def test_linear_falls_back_to_f_linear_off_the_gpu():
     x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+    assert torch.equal(kernels.linear_silu_mul(x, w), kernels.silu_mul(F.linear(x, w)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
@@ -85,6 +108,30 @@ def test_linears_at_real_shapes_on_gpu(shape, m):
                  (d, inter), (vocab, d)]:
         x, w = rand(m, k, dtype=dt, dev=dev, seed=4) * 0.1, rand(n, k, dtype=dt, dev=dev, seed=5) * 0.1
         assert rel(kernels.linear(x, w), F.linear(x, w)) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
+@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
+def test_gated_product_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
+    """The gated product at the gate_up shapes in bf16 (the gated table's tile, else the plain one's) against the
+    product and silu_mul as two kernels: the epilogue rounds where they round, so at most an ulp apart, and both
+    within bf16 rounding of a float64 reference; kernels.linear_silu_mul takes whichever the tables say."""
+    from lmc.runtime.model.loader import DUMMY_SHAPES
+
+    c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
+    d, inter = c["hidden_size"], c["intermediate_size"]
+    cfg = sg.config_for(m, 2 * inter, d, gated=True) or sg.config_for(m, 2 * inter, d)
+    x, w = rand(m, d, dtype=dt, dev=dev, seed=11) * 0.1, rand(2 * inter, d, dtype=dt, dev=dev, seed=12) * 0.1
+    fused = sg.skinny_gemm(x, w, cfg, gated=True)
+    monkeypatch.setattr(kernels, "FUSE_SILU_MUL", False)
+    apart = kernels.linear_silu_mul(x, w)
+    gate_up = x.double() @ w.double().T
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert fused.shape == apart.shape == (m, inter)
+    assert rel(fused, apart) < 4e-3 and rel(fused, want) < 1e-2
+    monkeypatch.setattr(kernels, "FUSE_SILU_MUL", True)
+    assert torch.equal(kernels.linear_silu_mul(x, w), fused if sg.config_for(m, 2 * inter, d, gated=True) else apart)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

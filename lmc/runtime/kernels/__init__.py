@@ -54,6 +54,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# Whether linear_silu_mul fuses the SiLU-mul into the skinny GEMM (an A/B switch: benchmarks/gpu_step_ab.py; read at
+# each call, so CUDA graphs captured after a change take the new value).
+FUSE_SILU_MUL = True
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, weight)) for the MLP's gate_up weight [2I, K] (gate rows, then up rows): one kernel on
+    CUDA where the gated skinny GEMM measured faster than the two (skinny_gemm.GATED_CONFIGS), else the two ops."""
+    if FUSE_SILU_MUL and _fused(x):
+        from . import skinny_gemm
+
+        cfg = skinny_gemm.config_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], gated=True)
+        if cfg is not None:
+            return skinny_gemm.skinny_gemm(x, weight, cfg, gated=True)
+    return silu_mul(linear(x, weight))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)), the normalisation in fp32 and the product in x's dtype (transformers' LlamaRMSNorm)."""
     if _fused(x):

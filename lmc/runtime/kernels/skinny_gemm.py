@@ -9,6 +9,14 @@ than SMs, and Triton's software pipeline keeps `num_stages` weight tiles in flig
 narrow for that (N = 4096: o_proj, down), SPLIT_K programs share a tile's K range and the last of them to finish
 sums their fp32 partials: one launch, where cuBLAS's split-K adds a reduction kernel.
 
+Gated (the MLP's gate_up_proj, `gated=True`): W is [2I, K], gate rows then up rows, and the result is
+silu(x gate^T) * (x up^T) [M, I], the SiLU-mul in the epilogue instead of a kernel of its own. A program's BLOCK_N
+weight rows are BLOCK_N / 2 gate rows and the up rows of the same outputs, loaded as ONE tile (its row index maps
+the second half into the up block): the plain product's loads and tl.dot, then a split of the accumulator. Measured
+per shape (GATED_CONFIGS): llama-3-8b's gate_up gains 1.3-2.8% of a decode step at batch 1-32; llama-2-7b's runs
+slower gated than as two launches at every batch size, so it keeps them (h200_probe/gemm_sweep_gated.json; an
+earlier try with gate and up as two half-width tiles and two dots was slower still, h200_probe/step_ab3).
+
 Invariants: x and W have unit stride in K; y is a fresh contiguous [M, N] in x's dtype; accumulation in fp32 (the
 rounding differs from cuBLAS's by the summation order only). M is at most MAX_M; larger batches are not skinny
 and stay on cuBLAS (kernels.linear decides, from CONFIGS: only the shapes where this kernel measured faster).
@@ -20,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .launch import grid_dependency, pdl_args
+from .triton_ops import _round
 
 MAX_M = 64
 
@@ -27,20 +36,31 @@ MAX_M = 64
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                        IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
+                        BF16: tl.constexpr = False):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
-    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe)."""
+    Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe).
+    GATED (SPLIT_K 1): N is the output width I, W has 2I rows; the tile's rows j < BLOCK_N / 2 are gate row
+    pid_n BLOCK_N / 2 + j, the others the up rows of the same outputs, and Y gets silu(gate) * up, rounded where
+    the unfused product and silu_mul round (BF16: to bf16 in integer arithmetic, as triton_ops._round)."""
     grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    n_mask = offs_n < N
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        out_col = pid_n * HALF + j % HALF  # the output column the row serves
+        n_mask = out_col < N
+        offs_n = out_col + (j >= HALF).to(tl.int32) * N  # gate rows, then the up rows I further down
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -60,11 +80,22 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
             acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mn_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mn_mask)
+    if GATED:
+        ty = Y.dtype.element_ty
+        # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF, 2] (gate, up) pairs, split into the two halves
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        g = _round(gate, ty, BF16).to(tl.float32)  # the product rounds here
+        s = _round(g / (1.0 + tl.exp(-g)), ty, BF16)  # F.silu rounds here
+        h = _round(s.to(tl.float32) * _round(up, ty, BF16).to(tl.float32), ty, BF16)
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], h,
+                 mask=m_mask[:, None] & (cols < N)[None, :])
+    elif SPLIT_K == 1:
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
     else:
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(P + pid_s * M * N + mn, acc, mask=mn_mask)
         tile = C + pid_m * tl.num_programs(0) + pid_n
@@ -104,11 +135,22 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
 }
 
 
-def config_for(m: int, n: int, k: int) -> tuple[int, ...] | None:
-    """The measured tile for an [m, k] x [k, n] product, or None where cuBLAS is the faster choice (or m > MAX_M)."""
+# (BLOCK_M, 2I, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gated product (the MLP's gate_up with the
+# SiLU-mul in the epilogue): the shapes where it beat the product and silu_mul as two launches (the table's tile or
+# cuBLAS, then silu_mul) in `benchmarks/gpu_gemm_sweep.py --gated` on the H200 (results/h200_probe/
+# gemm_sweep_gated.json). Elsewhere kernels.linear_silu_mul runs the two.
+GATED_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (16, 28672, 4096): (64, 256, 4, 3),  # llama-3-8b gate_up: 57.6 us against 58.2 at M = 8, 58.2 / 59.1 at M = 16
+    (32, 28672, 4096): (64, 256, 4, 3),  # 61.6 / 63.3
+}
+
+
+def config_for(m: int, n: int, k: int, gated: bool = False) -> tuple[int, ...] | None:
+    """The measured tile for an [m, k] x [k, n] product (gated: the gate_up product with its SiLU-mul, n = 2I), or
+    None where cuBLAS (and silu_mul) is the faster choice (or m > MAX_M)."""
     if m > MAX_M or m < 1:
         return None
-    return CONFIGS.get((_block_m(m), n, k))
+    return (GATED_CONFIGS if gated else CONFIGS).get((_block_m(m), n, k))
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -127,13 +169,20 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated: bool = False) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); SPLIT_K (default 1) programs share each tile's
-    K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns)."""
+    K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns).
+    gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) [..., I], computed with
+    the plain product's `config` (its BLOCK_N weight rows a program: BLOCK_N / 2 outputs); no split K."""
     k = w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     m, n = x2.shape[0], w.shape[0]
+    if gated:
+        if n % 2 or config[4:] not in ((), (1,)) or config[0] < 32:
+            raise ValueError(f"a gated skinny_gemm needs w [2I, K], BLOCK_N >= 32 and no split K, got "
+                             f"{tuple(w.shape)} and {config}")
+        n //= 2
     if x2.shape[1] != k or x2.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"skinny_gemm needs x [M, {k}] and w [N, K] with unit stride in K, "
                          f"got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -146,7 +195,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> to
         block_m = _block_m(m)
         k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split a whole number of K blocks
         split = triton.cdiv(k, k_split)
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+        grid = (triton.cdiv(n, block_n // 2 if gated else block_n), triton.cdiv(m, block_m), split)
         if split > 1:
             parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
             counters = _tile_counters(x.device, grid[0] * grid[1])
@@ -155,5 +204,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> to
         _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                   EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
-                                  num_warps=warps, num_stages=stages, **pdl_args(x))
+                                  GATED=gated, BF16=x.dtype == torch.bfloat16, num_warps=warps,
+                                  num_stages=stages, **pdl_args(x))
     return y.view(*x.shape[:-1], n)

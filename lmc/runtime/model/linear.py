@@ -100,6 +100,13 @@ class Linear(nn.Module):
             return _compile_op(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels.silu_mul(self(x)) for a gate_up layer (gate rows, then up rows): one kernel where the GPU's
+        decode GEMM serves the product (kernels.linear_silu_mul)."""
+        if self.packed is None and self.bias is None:
+            return kernels.linear_silu_mul(x, self.weight)
+        return kernels.silu_mul(self(x))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"prepacked={'panels' if self.panels else self.packed is not None}")

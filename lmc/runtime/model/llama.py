@@ -111,7 +111,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
