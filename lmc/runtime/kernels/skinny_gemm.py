@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .launch import grid_dependency, pdl_args
-from .triton_ops import _round
+from .triton_ops import _round, _silu_times
 
 MAX_M = 64
 
@@ -84,9 +84,8 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
         ty = Y.dtype.element_ty
         # [BLOCK_M, BLOCK_N] -> [BLOCK_M, HALF, 2] (gate, up) pairs, split into the two halves
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        g = _round(gate, ty, BF16).to(tl.float32)  # the product rounds here
-        s = _round(g / (1.0 + tl.exp(-g)), ty, BF16)  # F.silu rounds here
-        h = _round(s.to(tl.float32) * _round(up, ty, BF16).to(tl.float32), ty, BF16)
+        # the product rounds to `ty` first, as the unfused GEMM's output does
+        h = _silu_times(_round(gate, ty, BF16).to(tl.float32), _round(up, ty, BF16).to(tl.float32), ty, BF16)
         cols = pid_n * HALF + tl.arange(0, HALF)
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], h,
                  mask=m_mask[:, None] & (cols < N)[None, :])
@@ -173,8 +172,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); SPLIT_K (default 1) programs share each tile's
     K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns).
-    gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) [..., I], computed with
-    the plain product's `config` (its BLOCK_N weight rows a program: BLOCK_N / 2 outputs); no split K."""
+    gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) [..., I]; `config` as
+    for the plain product, its BLOCK_N the weight rows a program reads (BLOCK_N / 2 outputs), and no split K."""
     k = w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     m, n = x2.shape[0], w.shape[0]

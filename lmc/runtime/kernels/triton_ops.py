@@ -84,6 +84,14 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def _silu_times(g, u, ty: tl.constexpr, BF16: tl.constexpr):
+    """silu(g) * u for fp32 g and u (already rounded to `ty` where torch's ops round), in `ty`, rounded as
+    F.silu(g) * u rounds: after the SiLU and after the product (also the skinny GEMM's gated epilogue)."""
+    s = _round(g / (1.0 + tl.exp(-g)), ty, BF16)  # F.silu rounds here
+    return _round(s.to(tl.float32) * u, ty, BF16)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, BLOCK: tl.constexpr, BF16: tl.constexpr,
                      PDL: tl.constexpr):
     grid_dependency(PDL)
@@ -91,10 +99,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, BLOCK: tl.constexpr, BF1
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
-    ty = out_ptr.dtype.element_ty
-    s = _round(g / (1.0 + tl.exp(-g)), ty, BF16)  # F.silu rounds here
-    tl.store(out_ptr + row * inter + cols, _round(s.to(tl.float32) * u.to(tl.float32), ty, BF16), mask=mask)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, _silu_times(g, u, out_ptr.dtype.element_ty, BF16), mask=mask)
 
 
 @torch.compiler.disable  # launch wrappers run eagerly between compiled pieces (see module doc)
