@@ -1,10 +1,13 @@
-"""CPU runtime speed of the embedded SmolLM2-135M-Instruct (fp32), before against after the CPU-path work of issue 13.
+"""CPU runtime speed of the embedded SmolLM2-135M-Instruct (fp32), before against after the CPU-path work of issue 13,
+and with its linears in bf16.
 
 Configurations (all in one process, alternated within every repetition):
 - before:   eager forward, the gather + SDPA attention (`attention_backend="torch"`): the attention as it was (the
             linears, elementwise ops and argmax are the C++ CPU kernels in every configuration).
 - kernel:   eager forward, the paged C++ attention kernel (`attention_backend="cpu"`, the CPU default).
 - compiled: the kernel plus the torch.compile'd forward (`enable_torch_compile=True`).
+- bf16:     the kernel with `dtype="bfloat16"`: the linears in bf16 on oneDNN (AMX or AVX-512 BF16), the rest fp32
+            (model/linear.py); its outputs may differ from fp32's.
 The batched sampler serves all three (it replaced the per-request loops; greedy decoding is an argmax either way).
 
 Measures:
@@ -19,8 +22,11 @@ for the start times (which an --only-start run may measure separately), in `star
 `--gemm` (alone; into the same JSON, key `gemm`): the linears' GEMM at the model's shapes, one step's worth of
 distinct weights (30 layers x qkv, o, gate_up, down: 425 MB, more than the caches hold, as in the engine; the
 lm-head on its own), per row count of x: the engine's Linear (the panel GEMM, or MKL from linear.LARGE_ROWS rows),
-the panel GEMM alone, MKL's `F.linear` on the dense weight and oneDNN's packed `_linear_pointwise`, alternated
-within every repetition; milliseconds per step of linears.
+the panel GEMM alone, MKL's `F.linear` on the dense weight, oneDNN's packed `_linear_pointwise` and, where the CPU
+runs bf16 natively, the engine's Linear packed in bf16 (`bf16`: x rounded to bf16, y back in fp32; panels below
+linear.BF16_LARGE_ROWS rows, oneDNN from there) and its two parts alone (`bf16_panels`: the panel GEMM on bf16
+panels; `bf16_onednn`: oneDNN's bf16 GEMM, AMX where the CPU has it), alternated within every repetition;
+milliseconds per step of linears.
 
     python benchmarks/cpu_speed.py [--reps 3] [--configs before kernel compiled] [--skip-start | --only-start]
     python benchmarks/cpu_speed.py --gemm [--reps 5] [--gemm-rows 1 8 16 64 256 1024 4096]
@@ -49,6 +55,7 @@ CONFIGS = {
     "before": {"attention_backend": "torch"},
     "kernel": {"attention_backend": "cpu"},
     "compiled": {"attention_backend": "cpu", "enable_torch_compile": True},
+    "bf16": {"attention_backend": "cpu", "dtype": "bfloat16"},
 }
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu_speed.json")
 
@@ -147,7 +154,7 @@ def gemm_ms(rows: list[int], reps: int) -> dict:
     import torch.nn.functional as F
 
     from lmc.runtime.attention.cpu_kernel import panels
-    from lmc.runtime.model.linear import Linear
+    from lmc.runtime.model.linear import Linear, bf16_supported
 
     ops = panels()
     if ops is None:
@@ -165,12 +172,23 @@ def gemm_ms(rows: list[int], reps: int) -> dict:
             lin.prepack()
             lins.append(lin)
         onednn = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 16) for lin in lins]
+        bf16 = []
+        for lin in lins if bf16_supported() else ():
+            b = Linear(lin.in_features, lin.out_features)
+            b.weight = lin.weight  # shared: prepack in bf16 drops its own reference only
+            b.prepack(torch.bfloat16)
+            bf16.append(b)
         backends = {
             "engine": lambda x, i: lins[i](x),
             "panels": lambda x, i: ops.panel_linear(x, lins[i].packed, lins[i].out_features, None),
             "mkl": lambda x, i: F.linear(x, lins[i].weight),
             "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
         }
+        if bf16:
+            backends["bf16"] = lambda x, i: bf16[i](x)
+            backends["bf16_panels"] = lambda x, i: ops.panel_linear(x, bf16[i].packed, bf16[i].out_features, None)
+            backends["bf16_onednn"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(
+                x.bfloat16(), bf16[i].large, None, "none", [], "")
         res: dict = {name: {} for name in backends}
         for m in rows:
             xs = [torch.randn(m, k, generator=g) for k, _ in dims]
@@ -190,7 +208,7 @@ def gemm_ms(rows: list[int], reps: int) -> dict:
             print(f"gemm {group} M={m}: " + ", ".join(f"{name} {res[name][str(m)]['median']:.1f} ms"
                                                        for name in backends), flush=True)
         out[group] = res
-        del lins, onednn
+        del lins, onednn, bf16
     return out
 
 
@@ -251,7 +269,7 @@ def main() -> None:
         if "no_sharing_s" in r:
             r["no_sharing_out_tok_s"] = spread([48 * 16 / s for s in r["no_sharing_s"]["runs"]])
     out = {
-        "model": MODEL, "dtype": "float32", "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "model": MODEL, "dtype": "float32" + ("; bf16: the linears in bfloat16" if "bf16" in args.configs else ""), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "reps": args.reps, "configs": {k: CONFIGS[k] for k in args.configs},
         "results": results,
         "note": ("Shared machine: 2 cores used concurrently by other engineers' tests and benchmarks; the load "

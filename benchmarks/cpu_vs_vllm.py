@@ -4,7 +4,8 @@ Each system runs in a worker process of its own interpreter (lmc: this venv; vLL
 installs), started fresh for every repetition, so the start time is measured each time: seconds from launching the
 process to an engine ready to generate (lmc's `Engine()`, vLLM's offline `LLM()`). Systems alternate within each
 repetition (the order flips every repetition). Both get byte-identical token prompts (seeded, generated here), greedy
-decoding with EOS ignored, 2 threads (OMP_NUM_THREADS, torch threads), fp32, prefix caching on with its cache reset
+decoding with EOS ignored, 2 threads (OMP_NUM_THREADS, torch threads), one dtype (--dtype: fp32, or bf16, where lmc
+runs its linears in bf16 and the rest in fp32 and vLLM runs its model in bf16), prefix caching on with its cache reset
 before every measured call (the prompts share nothing).
 
 Systems: `lmc` (the default engine: eager forward, the C++ CPU kernels of lmc/runtime/attention/cpu_kernel.py for
@@ -21,7 +22,7 @@ Workloads:
 Output equality: the share of requests whose generated token ids equal lmc's.
 
     python benchmarks/cpu_vs_vllm.py [--reps 3] [--systems lmc lmc-compiled vllm] [--one-start] [--peer-venv DIR]
-                                     [--out PATH]
+                                     [--dtype float32|bfloat16] [--out PATH]
 
 `--one-start`: each system's worker starts once and serves every repetition (the workers stay alive side by side,
 idle while another system runs); the repetitions still alternate, and every generate call starts from a reset
@@ -52,13 +53,13 @@ NS_N, NS_PROMPT, NS_NEW = 48, 200, 16
 
 # ---- workers (run under each system's interpreter; nothing here imports torch at module level) ----------------
 class LmcWorker:
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, dtype: str):
         import torch
 
         torch.set_num_threads(THREADS)
         from lmc.runtime import Engine
 
-        self.eng = Engine("smollm2-135m-instruct", enable_torch_compile=compiled)
+        self.eng = Engine("smollm2-135m-instruct", enable_torch_compile=compiled, dtype=dtype)
 
     def generate(self, prompts: list[list[int]], new: int) -> list[list[int]]:
         self.eng.flush_cache()
@@ -68,11 +69,11 @@ class LmcWorker:
 
 
 class VllmWorker:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, dtype: str):
         from vllm import LLM, SamplingParams
 
         self.params = SamplingParams
-        self.llm = LLM(model=model_dir, dtype="float32", block_size=32, enable_prefix_caching=True,
+        self.llm = LLM(model=model_dir, dtype=dtype, block_size=32, enable_prefix_caching=True,
                        max_model_len=8192, seed=0)
 
     def generate(self, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -82,13 +83,13 @@ class VllmWorker:
         return [list(o.outputs[0].token_ids) for o in out]
 
 
-def worker_main(kind: str, model_dir: str) -> None:
+def worker_main(kind: str, model_dir: str, dtype: str) -> None:
     """Protocol: prints READY once the engine is built, then per stdin line {"prompts", "new"} prints
     {"seconds", "output_ids"}; exits on EOF. The protocol keeps the original stdout to itself: vLLM logs to
     stdout, so file descriptor 1 is pointed at stderr before anything is imported."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    w = VllmWorker(model_dir) if kind == "vllm" else LmcWorker(compiled=kind == "lmc-compiled")
+    w = VllmWorker(model_dir, dtype) if kind == "vllm" else LmcWorker(kind == "lmc-compiled", dtype)
     print("READY", file=proto, flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -101,7 +102,7 @@ def worker_main(kind: str, model_dir: str) -> None:
 class Worker:
     """A worker process; `start_s` is launch-to-READY wall time."""
 
-    def __init__(self, kind: str, model_dir: str, env: dict, peer_venv: str):
+    def __init__(self, kind: str, model_dir: str, env: dict, peer_venv: str, dtype: str):
         python = os.path.join(peer_venv, "bin", "python") if kind == "vllm" else sys.executable
         env = {**os.environ, **env, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1"}
         if kind == "vllm":  # as benchmarks/suite/peer.py starts its server (its thread binding: see peer.py)
@@ -112,7 +113,8 @@ class Worker:
             env["PYTHONPATH"] = ROOT
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"cpu_vs_vllm_{kind}_", suffix=".log", delete=False)
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir],
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, "--model-dir", model_dir,
+                                      "--dtype", dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, start_new_session=True)
         line = self.proc.stdout.readline()
@@ -160,8 +162,8 @@ def measure(w: Worker, rep: int) -> dict:
             "decode_ids": full["output_ids"], "no_sharing_ids": ns["output_ids"]}
 
 
-def run_rep(kind: str, model_dir: str, env: dict, rep: int, peer_venv: str) -> dict:
-    w = Worker(kind, model_dir, env, peer_venv)
+def run_rep(kind: str, model_dir: str, env: dict, rep: int, peer_venv: str, dtype: str) -> dict:
+    w = Worker(kind, model_dir, env, peer_venv, dtype)
     try:
         return measure(w, rep)
     finally:
@@ -181,6 +183,7 @@ def main() -> None:
     ap.add_argument("--systems", nargs="*", default=["lmc", "lmc-compiled", "vllm"],
                     choices=["lmc", "lmc-compiled", "vllm"])
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems' dtype")
     ap.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv-peer"), help="where `make peer` installed vLLM")
     ap.add_argument("--one-start", action="store_true",
                     help="start each system's worker once and alternate the repetitions among the live workers "
@@ -201,10 +204,10 @@ def main() -> None:
     live: dict = {}
     try:
         for kind in args.systems if args.one_start else ():
-            live[kind] = Worker(kind, model_dir, env, args.peer_venv)
+            live[kind] = Worker(kind, model_dir, env, args.peer_venv, args.dtype)
         for rep in range(args.reps):
             for kind in args.systems if rep % 2 == 0 else list(reversed(args.systems)):
-                r = measure(live[kind], rep) if live else run_rep(kind, model_dir, env, rep, args.peer_venv)
+                r = measure(live[kind], rep) if live else run_rep(kind, model_dir, env, rep, args.peer_venv, args.dtype)
                 runs[kind].append(r)
                 loads.append(os.getloadavg())
                 print(f"rep {rep} {kind}: start {r['start_s']:.1f} s, decode b16 {r['decode_b16_tok_s']:.1f} tok/s, "
@@ -233,7 +236,7 @@ def main() -> None:
             kind: {k: results[kind][k]["median"] / results["vllm"][k]["median"]
                    for k in ("decode_b16_tok_s", "no_sharing_req_s")}
             for kind in results if kind.startswith("lmc")}
-    out = {"model": "smollm2-135m-instruct", "dtype": "float32", "threads": THREADS, "cpus": os.cpu_count(),
+    out = {"model": "smollm2-135m-instruct", "dtype": args.dtype, "threads": THREADS, "cpus": os.cpu_count(),
            "reps": args.reps, "systems": args.systems, "one_start": args.one_start,
            "workloads": {"decode_b16": {"batch": DECODE_BATCH, "prompt_len": DECODE_PROMPT, "new": DECODE_NEW},
                          "no_sharing": {"prompts": NS_N, "prompt_len": NS_PROMPT, "new": NS_NEW}},
@@ -255,7 +258,8 @@ if __name__ == "__main__":
         p = argparse.ArgumentParser()
         p.add_argument("--worker", required=True)
         p.add_argument("--model-dir", required=True)
+        p.add_argument("--dtype", required=True)
         a = p.parse_args()
-        worker_main(a.worker, a.model_dir)
+        worker_main(a.worker, a.model_dir, a.dtype)
     else:
         main()

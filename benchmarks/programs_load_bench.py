@@ -19,7 +19,10 @@ Systems (alternating within each repetition, the first rotating):
 Per run: each instance's completion time (done - scheduled arrival), their mean and p90, and throughput (instances
 / (last done - first arrival)). Figures: median over the repetitions with the spread. Targets (at the same rate,
 program/compiled over lpm/interpreted): mean <= 0.6x, p90 <= 0.7x; throughput at the highest rate >= 1.3x.
-Also recorded: whether the lmc systems give every instance the same variables (temperature 0).
+Also recorded: whether the lmc systems give every instance the same variables (temperature 0), and per run the lmc
+server's counters (`engine`: prompt, cached and computed tokens, retractions, forwards, and busy_seconds, the time its
+scheduler spent in steps: close to the run's span when the engine, not the arrivals, bounds it). `--dtype bfloat16`
+runs the lmc servers with their linears in bf16 (model/linear.py).
 
 JSON: benchmarks/results/programs_load.json; plot: benchmarks/results/programs_load.png.
 """
@@ -121,7 +124,7 @@ def run_stream(items, progs, compiled: dict, backend, use_compiled: bool, timeou
             "variables": variables}
 
 
-ENGINE_COUNTS = ("prompt_tokens", "cached_tokens", "computed_tokens", "retractions", "forwards")
+ENGINE_COUNTS = ("prompt_tokens", "cached_tokens", "computed_tokens", "retractions", "forwards", "busy_seconds")
 
 
 def engine_counts(backend) -> dict | None:
@@ -208,6 +211,7 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=8, help="instances per run")
     ap.add_argument("--kv-tokens", type=int, default=1024)
     ap.add_argument("--busy-prefill-tokens", type=int, default=64, help="the program server's forward shaping")
+    ap.add_argument("--dtype", default="auto", help="the lmc servers' --dtype (bfloat16: the linears in bf16)")
     ap.add_argument("--systems", nargs="+", default=[*LMC_SYSTEMS, "vllm/compiled"])
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
     ap.add_argument("--out", default=OUT)
@@ -227,7 +231,7 @@ def main() -> None:
             shaping = ("--busy-prefill-tokens", str(a.busy_prefill_tokens)) if policy == "program" else ()
             srv = servers[policy] = LmcServer(os.path.join(home, f"{policy}.log"),
                                               ("--schedule-policy", policy, "--max-total-tokens", str(a.kv_tokens),
-                                               "--log-level", "warning", *shaping)).start()
+                                               "--log-level", "warning", "--dtype", a.dtype, *shaping)).start()
             backends[policy] = RuntimeEndpoint(f"http://127.0.0.1:{srv.port}")
         if "vllm/compiled" in a.systems:
             from peer import SERVED_NAME, VLLMServer
@@ -273,7 +277,7 @@ def main() -> None:
     top = str(max(a.rates))
     result = {
         "provenance": finish(prov), "model": "smollm2-135m-instruct", "reps": a.reps, "rates": a.rates,
-        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens,
+        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens, "lmc_dtype": a.dtype,
         "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems,
         "mix": {k: v[2] for k, v in progs.items()}, "summary": summary, "targets": TARGETS,
         "saturation_rate": float(top), "plot": os.path.basename(os.path.splitext(a.out)[0] + ".png"),

@@ -533,7 +533,7 @@ CPU_SPEED_ROWS = {"decode_b1_tok_s": ("decode, batch 1 (tokens/s)", 1),
                   "no_sharing_out_tok_s": ("no sharing: output tokens/s", 1)}
 
 
-@section("cpu_speed.json")
+@section("cpu_speed*.json")  # the fp32 record, and the bf16 linears' (cpu_speed_bf16.json)
 def render_cpu_speed(r: dict, _dir: Path) -> str:
     """cpu_speed.py's configurations as columns: decode and no-sharing speed, then the start times."""
     names = list(r["configs"])
@@ -546,7 +546,7 @@ def render_cpu_speed(r: dict, _dir: Path) -> str:
 
     def config(c):
         return ", ".join(f"`{k}={v}`" for k, v in c.items())
-    out = ["## CPU runtime speed: the paged attention kernel and torch.compile, embedded model\n",
+    out = ["## CPU runtime speed of the embedded model, per engine configuration\n",
            f"{r['model']} in {r['dtype']}, torch {r['torch']}, {r['threads']} threads; configurations "
            + "; ".join(f"*{n}*: {config(c)}" for n, c in r["configs"].items())
            + ". All in one process, alternating within each repetition. Decode tokens/s is the batch over the "

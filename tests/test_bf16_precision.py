@@ -6,7 +6,10 @@ The shape is small but its attention is as sharp as a 7B's: the initializer rang
 so that q and k entries have the 7B's spread (std ~1.3) and head_dim is 128. With transformers' default 0.02 at
 this width the attention is nearly uniform and hides any error in the rotary angles, which is what made lmc look
 2x less precise than transformers on the H200: the reference there rounded its RoPE frequencies to bf16
-(gpu_check.transformers_model says how)."""
+(gpu_check.transformers_model says how).
+
+On a CPU with AMX or AVX-512 BF16, lmc's "bfloat16" runs only the linears in bf16 (model/linear.py), so its error is
+bounded by the same line; elsewhere it runs the whole model in bf16."""
 from __future__ import annotations
 
 import copy
@@ -21,6 +24,7 @@ from gpu_check import hf_logits, lmc_logits, rel_err, transformers_model  # noqa
 
 from lmc.runtime import Engine  # noqa: E402
 from lmc.runtime.model import loader  # noqa: E402
+from lmc.runtime.model.linear import Linear, bf16_supported  # noqa: E402
 
 HIDDEN = 256
 SHAPE = dict(hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
@@ -62,3 +66,18 @@ def test_lmc_bf16_within_transformers_own_bf16_distance(monkeypatch, rope):
         assert hf_own[phase]["max"] > 1e-3, "bf16 left no trace: the comparison measures nothing"
         assert lmc_bf16[phase]["max"] <= 1.25 * hf_own[phase]["max"], (phase, lmc_bf16, hf_own)
         assert lmc_fp32[phase]["max"] <= 2e-5, (phase, lmc_fp32)
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="this CPU has neither AMX nor AVX-512 BF16")
+def test_cpu_bf16_runs_the_linears_in_bf16_and_the_rest_in_fp32(monkeypatch):
+    monkeypatch.setitem(loader.DUMMY_SHAPES, "bf16-precision", SHAPE)
+    eng = Engine("dummy:bf16-precision", device="cpu", dtype="bfloat16", max_total_tokens=2048)
+    try:
+        r = eng.runner
+        assert r.dtype == torch.float32 and r.kv.k[0].dtype == torch.float32
+        linears = [m for m in r.model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
+        out = eng.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert len(out[0]["output_ids"]) == 4
+    finally:
+        eng.shutdown()

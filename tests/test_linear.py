@@ -95,3 +95,43 @@ def test_tied_lm_head_is_the_embedding_and_packs_from_it(layout):
     assert prepack_linears(model) == 5  # qkv, o, gate_up, down, lm-head
     assert model.embed_tokens.weight is not None  # the embedding keeps its table
     torch.testing.assert_close(model.lm_head(h), want, rtol=1e-5, atol=1e-4)
+
+
+needs_bf16 = pytest.mark.skipif(not linear.bf16_supported(), reason="this CPU has neither AMX nor AVX-512 BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_matmuls_match_rounded_operands(bias, layout):
+    """Packed in bf16 (Engine(dtype="bfloat16") on the CPU): x and W rounded to bf16, products summed in fp32, y
+    rounded to bf16 and widened, the bias added in fp32: on bf16 panels below BF16_LARGE_ROWS rows, oneDNN's bf16
+    GEMM from there on (and everywhere without panels), the same y either way up to the summation order."""
+    lin = make(96, 170, bias)
+    w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    assert lin.prepack(torch.bfloat16) and lin.weight is None
+    assert lin.panels == (layout == "panels") and (lin.large is not None) == lin.panels
+    assert lin.packed.dtype == torch.bfloat16 and "prepacked=" in repr(lin)
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 3, 8, 9, linear.BF16_LARGE_ROWS - 1, linear.BF16_LARGE_ROWS, 100):
+        x = torch.randn(m, 96, generator=g)
+        y = lin(x)
+        assert y.dtype == torch.float32
+        exact = F.linear(x.bfloat16().double(), w.bfloat16().double())  # the rounded operands' exact products
+        want = exact.float().bfloat16().float()
+        want = want if b is None else want + b
+        torch.testing.assert_close(y, want, rtol=8e-3, atol=1e-2)  # one bf16 rounding step apart at most
+        assert (y - F.linear(x, w, b)).abs().max() > 0  # it did run in bf16, not in fp32
+    x3 = torch.randn(2, 5, 96, generator=g)  # leading dimensions pass through
+    assert lin(x3).shape == (2, 5, 170)
+
+
+@needs_bf16
+def test_bf16_set_weight_repacks_in_bf16(layout):
+    lin = make(32, 48, False)
+    lin.prepack(torch.bfloat16)
+    new = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+    lin.set_weight(new)
+    assert lin.packed.dtype == torch.bfloat16
+    for m in (4, linear.BF16_LARGE_ROWS):
+        x = torch.randn(m, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, new), rtol=2e-2, atol=0.1)

@@ -37,6 +37,7 @@ from . import continuation
 from .continuation import ChainStep
 from .core import EngineError, Req, RequestError, SamplingParams
 from .grammar import GrammarCache
+from .model.linear import bf16_supported
 from .model.loader import resolve
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
@@ -68,6 +69,8 @@ class Engine:
                  enable_continuation: bool = True, busy_prefill_tokens: int | None = None):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
+        `dtype`: "auto" is bf16 on CUDA, fp32 on the CPU. "bfloat16" on a CPU with AMX or AVX-512 BF16 runs the
+        linears in bf16 (oneDNN) and keeps norms, attention and the KV cache in fp32 (model/linear.py).
         `max_top_logprobs`: the largest `top_logprobs_num` a request may ask for (OpenAI's limit is 20).
         `schedule_policy`: the admission order, a name in scheduler.POLICIES; `program` (the default) orders by
         the plan's remaining work where requests carry program hints and keeps KV by next use, and orders as `lpm`
@@ -96,6 +99,11 @@ class Engine:
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
               "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        # bf16 on the CPU: the linears in bf16 (oneDNN: AMX, AVX-512 BF16), the rest fp32 (model/linear.py); a CPU
+        # without native bf16 runs the whole model in bf16 instead
+        matmul_dt = None
+        if dev.type == "cpu" and dt == torch.bfloat16 and bf16_supported():
+            matmul_dt, dt = dt, torch.float32
         src = resolve(model)
         self.model_name = src.name
         self.tokenizer = None
@@ -109,7 +117,7 @@ class Engine:
             max_total_tokens = _CPU_DEFAULT_TOKENS if dev.type == "cpu" else None
         self.overlap_schedule = dev.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
         self.runner = _make_runner(src, weights, dev, tensor_parallel_size, dict(
-            dtype=dt, attention=attention_backend, max_total_tokens=max_total_tokens or 0,
+            dtype=dt, matmul_dtype=matmul_dt, attention=attention_backend, max_total_tokens=max_total_tokens or 0,
             max_running=max_running_requests, context_length=ctx, seed=seed, mem_fraction=mem_fraction_static,
             cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile,
             threaded=self.overlap_schedule and dev.type == "cpu"))

@@ -205,18 +205,20 @@ class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
                  mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False,
-                 threaded: bool = False, tp=None):
+                 threaded: bool = False, tp=None, matmul_dtype: torch.dtype | None = None):
         """`enable_torch_compile`: run forwards that are not CUDA-graph replays through torch.compile (compiled.py),
         compiling at construction (a warm-up forward per shape class) so no request waits for it.
         `threaded`: run device work on a worker thread (CPU overlap scheduling; see the module docstring).
         `tp`: this rank's distributed.workers.RankShard under tensor parallelism (None: the whole model here);
-        `weights` then yields safetensors slices, of which only this rank's pieces are read."""
+        `weights` then yields safetensors slices, of which only this rank's pieces are read.
+        `matmul_dtype`: the CPU linears' weights packed in this dtype (bf16: model/linear.py), the rest of the model
+        and the KV cache in `dtype`; None: `dtype` throughout."""
         self.cfg = ModelConfig.from_hf(hf_config)
         self.device, self.dtype = device, dtype
         self.context_length = context_length
         self.tp = tp
         model = self._build_model(weights, seed)
-        prepack_linears(model)  # CPU fp32: weights into oneDNN's blocked layout (linear.py)
+        prepack_linears(model, matmul_dtype or dtype)  # CPU: weights into panels or oneDNN's layout (linear.py)
         self.model = model.eval()
         self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)

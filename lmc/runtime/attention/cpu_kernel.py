@@ -44,6 +44,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -354,22 +355,41 @@ static inline lane_mask first_lanes(int64_t n) {
 static inline vec vload_masked(const float* p, lane_mask m) { return _mm256_maskload_ps(p, m); }  // masked: no fault
 static inline void vstore_masked(float* p, lane_mask m, vec v) { _mm256_maskstore_ps(p, m, v); }
 #endif
+// A weight vector from panels of fp32, or of bf16 (the high half of an fp32: widened exactly by a shift).
+#if defined(__AVX512F__)
+static inline vec wload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec wload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+static inline vec wload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec wload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
 constexpr int64_t kPanel = kVecs * kLanes;
 constexpr int64_t kKBlock = 12 * 1024 / (kPanel * sizeof(float));
 constexpr int64_t kChunkBytes = 256 * 1024;  // of interleaved x: 14 groups of 8 rows at K = 576
 constexpr int64_t kPrefetch = 32 * 1024;
 
-at::Tensor pack_panels(const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_panels: an fp32 [N, K] weight expected");
-  auto wc = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = at::zeros({P, K, kPanel}, w.options());  // outputs past N: zero weights, never stored
-  const float* src = wc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+template <typename T>
+static void pack_into(const T* src, T* dst, int64_t N, int64_t K, int64_t P) {
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo * kPanel; n < std::min(N, hi * kPanel); ++n)
       for (int64_t k = 0; k < K; ++k) dst[((n / kPanel) * K + k) * kPanel + n % kPanel] = src[n * K + k];
   });
+}
+
+// Panels in w's dtype: fp32, or bf16 (weight-only bf16: half the bytes a decode step streams).
+at::Tensor pack_panels(const at::Tensor& w) {
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((w.scalar_type() == at::kFloat || bf16) && w.dim() == 2,
+              "pack_panels: an fp32 or bf16 [N, K] weight expected");
+  auto wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto out = at::zeros({P, K, kPanel}, w.options());  // outputs past N: zero weights, never stored
+  if (bf16) pack_into((const uint16_t*)wc.data_ptr(), (uint16_t*)out.data_ptr(), N, K, P);
+  else pack_into(wc.data_ptr<float>(), out.data_ptr<float>(), N, K, P);
   return out;
 }
 
@@ -379,23 +399,23 @@ at::Tensor pack_panels(const at::Tensor& w) {
 // at 0 when `first`, else from y; y gets them back, plus the bias when `last`. The interleaving puts the kRows
 // broadcasts of a k-row at fixed offsets of one pointer: with 8 row pointers the compiler spilled the loop's state
 // to the stack and the kernel ran at half the FMA rate.
-template <int MB>
-static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const float* wp, float* y, int64_t N,
+template <int MB, typename W>
+static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const W* wp, float* y, int64_t N,
                                const lane_mask* mask, bool full, const float* bias, bool first, bool last,
                                bool prefetch) {
   vec acc[MB][kVecs];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kVecs; ++j)
       acc[i][j] = first ? vzero() : full ? vload(y + i * N + kLanes * j) : vload_masked(y + i * N + kLanes * j, mask[j]);
-  const float* wk = wp + k0 * kPanel;
+  const W* wk = wp + k0 * kPanel;
   const float* xk = xg + k0 * kRows;
   for (int64_t k = k0; k < k1; ++k, wk += kPanel, xk += kRows) {
     if (prefetch) {  // harmless past the end of the weight: a prefetch never faults
       const char* ahead = (const char*)wk + kPrefetch;
-      for (int64_t c = 0; c < kPanel * (int64_t)sizeof(float); c += 64) _mm_prefetch(ahead + c, _MM_HINT_T1);
+      for (int64_t c = 0; c < kPanel * (int64_t)sizeof(W); c += 64) _mm_prefetch(ahead + c, _MM_HINT_T1);
     }
     vec w[kVecs];
-    for (int j = 0; j < kVecs; ++j) w[j] = vload(wk + kLanes * j);
+    for (int j = 0; j < kVecs; ++j) w[j] = wload(wk + kLanes * j);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
       const vec xv = vbroadcast(xk[i]);
@@ -413,8 +433,8 @@ static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const fl
 
 // panel_block for a group of `rows` (1 .. MB) rows: the row count is a template argument, so the accumulators stay
 // in registers.
-template <int MB>
-static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t k1, const float* wp, float* y,
+template <int MB, typename W>
+static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t k1, const W* wp, float* y,
                               int64_t N, const lane_mask* mask, bool full, const float* bias, bool first, bool last,
                               bool pf) {
   if constexpr (MB > 1) {
@@ -423,12 +443,23 @@ static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t
   panel_block<MB>(xg, k0, k1, wp, y, N, mask, full, bias, first, last, pf);
 }
 
-// x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N].
+static inline float round_bf16(float v) {  // to the nearest bf16, ties to even (as c10::BFloat16), kept in fp32
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);  // inf and NaN as they are
+  u &= 0xffff0000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N]. bf16 panels
+// take x rounded to bf16 (the products exact in fp32, as a bf16 GEMM's with fp32 accumulation).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias) {
   check_rows(x, "panel_linear");
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), G = (M + kRows - 1) / kRows;
-  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.dim() == 3 &&
+  TORCH_CHECK((panels.scalar_type() == at::kFloat || bf16) && panels.is_contiguous() && panels.dim() == 3 &&
               panels.size(1) == K && panels.size(2) == kPanel && P * kPanel >= N && (P - 1) * kPanel < N,
               "panel_linear: the panels are not an [N, K] weight's for this x");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -436,7 +467,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
               "panel_linear: an fp32 bias [N] expected");
   auto y = at::empty({M, N}, x.options());
   auto xi = at::empty({G, K, kRows}, x.options());  // x in groups of kRows rows, interleaved (see panel_block)
-  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const void* wp = panels.data_ptr();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float *yp = y.data_ptr<float>(), *xq = xi.data_ptr<float>();
   at::parallel_for(0, G, kRowGrain / kRows, [&](int64_t lo, int64_t hi) {
@@ -444,7 +476,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
       const int64_t rows = std::min<int64_t>(kRows, M - g * kRows);
       float* dst = xq + g * K * kRows;
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t k = 0; k < K; ++k) dst[k * kRows + i] = xp[(g * kRows + i) * K + k];
+        for (int64_t k = 0; k < K; ++k) {
+          const float v = xp[(g * kRows + i) * K + k];
+          dst[k * kRows + i] = bf16 ? round_bf16(v) : v;
+        }
     }
   });
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kRows * (int64_t)sizeof(float)));  // in groups
@@ -455,14 +490,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         const int64_t n0 = p * kPanel, rem = std::min(kPanel, N - n0);
         lane_mask mask[kVecs];
         for (int j = 0; j < kVecs; ++j) mask[j] = first_lanes(std::max<int64_t>(0, std::min(kLanes, rem - kLanes * j)));
-        const float* w = wp + p * K * kPanel;
         const float* b = bp ? bp + n0 : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
           const int64_t k1 = std::min(K, k0 + kKBlock);
           const bool first = k0 == 0, last = k1 == K;
-          for (int64_t g = c0; g < c1; ++g)
-            panel_rows<kRows>(std::min<int64_t>(kRows, M - g * kRows), xq + g * K * kRows, k0, k1, w,
-                              yp + g * kRows * N + n0, N, mask, rem == kPanel, b, first, last, g == c0);
+          for (int64_t g = c0; g < c1; ++g) {
+            const int64_t rows = std::min<int64_t>(kRows, M - g * kRows);
+            float* yg = yp + g * kRows * N + n0;
+            if (bf16)
+              panel_rows<kRows>(rows, xq + g * K * kRows, k0, k1, (const uint16_t*)wp + p * K * kPanel, yg, N, mask,
+                                rem == kPanel, b, first, last, g == c0);
+            else
+              panel_rows<kRows>(rows, xq + g * K * kRows, k0, k1, (const float*)wp + p * K * kPanel, yg, N, mask,
+                                rem == kPanel, b, first, last, g == c0);
+          }
         }
       }
     }

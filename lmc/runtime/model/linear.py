@@ -14,6 +14,16 @@ fp32 CPU weight once, into one of two layouts:
   (the batch hint only tunes the layout). MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) is not used: it
   takes its packed path only at the exact batch size it was packed for and runs an unpacked GEMM otherwise.
 
+With `matmul_dtype=torch.bfloat16` (`Engine(dtype="bfloat16")` on the CPU) the weight is packed in bf16 for oneDNN
+instead, which runs it on AMX tiles or AVX-512 BF16 (`bf16_supported`): x is rounded to bf16 on the way in, y comes
+out of oneDNN in bf16 (fp32 accumulation) and is widened back to fp32 with the bias added in fp32, so the model
+around the linears (norms, rotary, attention, the KV cache) stays fp32, as torch.autocast runs a model in bf16 on
+the CPU. Where the panel GEMM is built, the weight is also packed in bf16 panels (the C++ kernel widens each bf16
+weight to fp32 with a shift, so a decode step streams half the bytes: 13.7 against 21.3 ms of a step's linears at
+one row), which serve up to BF16_LARGE_ROWS rows; oneDNN's bf16 GEMM serves more (AMX: 20.0 against the fp32 panels'
+67.9 ms at 64 rows). Figures: benchmarks/cpu_speed.py --gemm on this machine's 2 cores (Xeon with AMX),
+results/cpu_speed_bf16.json.
+
 Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is an ordinary module with a
 `weight` parameter [out_features, in_features] and an optional `bias` [out_features], named as nn.Linear's.
 """
@@ -30,14 +40,26 @@ from .. import kernels
 # (11.3-11.9) on the panels alone, 10.4 s with MKL from 1024 rows, 9.8 s (9.1-10.2) from 2048; at 30 layers' distinct
 # weights the panels are ahead up to ~1500 rows and 2-5x ahead at decode sizes (benchmarks/cpu_speed.py --gemm).
 LARGE_ROWS = 2048
+# Rows of x from which bf16 panels hand the product to oneDNN's bf16 GEMM (AMX): below it the panels stream the bf16
+# weight at memory speed, from it AMX's tiles win (benchmarks/cpu_speed.py --gemm, its bf16_panels and bf16_onednn
+# columns: 15.4 against 22.0 ms of a step's linears at 8 rows, 23.3 against 20.7 at 16, 46.3 against 31.7 at 32).
+BF16_LARGE_ROWS = 16
 # The batch size oneDNN's weight layout is chosen for: a decode batch. Measured on this build (2 cores, AVX-512):
 # the same blocked layout serves batches 1-1024 within noise of a layout packed for each.
 PACK_BATCH_HINT = 16
 
 
-def prepack_supported(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
-        torch.backends.mkldnn.is_available() or _panel_ops() is not None)
+def prepack_supported(weight: torch.Tensor, matmul_dtype: torch.dtype = torch.float32) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if matmul_dtype == torch.bfloat16:
+        return bf16_supported()
+    return matmul_dtype == torch.float32 and (torch.backends.mkldnn.is_available() or _panel_ops() is not None)
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 linears on this CPU natively (AVX-512 BF16 or AMX), where packing in bf16 pays."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _panel_ops():
@@ -47,12 +69,17 @@ def _panel_ops():
     return panels()
 
 
-def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(packed weight, whether it is in panels)."""
-    ops = _panel_ops()
-    if ops is not None:
-        return ops.pack_panels(weight.detach().float().contiguous()), True
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), PACK_BATCH_HINT), False
+def _onednn_pack(weight: torch.Tensor, matmul_dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(matmul_dtype).contiguous(), PACK_BATCH_HINT)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a packed weight. A bf16 weight takes x rounded to bf16 and gives y in x's dtype, the bias
+    added in x's dtype (module docstring)."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "").to(x.dtype)
+    return y if bias is None else y + bias
 
 
 class Linear(nn.Module):
@@ -63,20 +90,35 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # the packed weight once prepack() ran
         self.panels = False  # whether `packed` is in panels (else oneDNN's layout, and `weight` is None)
+        self.matmul_dtype = torch.float32  # the packed weight's dtype (prepack's argument)
+        self.large: torch.Tensor | None = None  # bf16 panels: oneDNN's bf16 weight, for rows from BF16_LARGE_ROWS on
 
     @torch.no_grad()
-    def prepack(self) -> bool:
-        """Pack the weight (panels or oneDNN's layout: see the module docstring); oneDNN's drops the dense copy,
-        the panels keep it for large inputs. Returns whether it did (CPU fp32 only; elsewhere the layer stays on
-        F.linear)."""
+    def prepack(self, matmul_dtype: torch.dtype = torch.float32) -> bool:
+        """Pack the weight (panels or oneDNN's layout, in `matmul_dtype`: see the module docstring); oneDNN's drops
+        the dense copy, the panels keep it for large inputs. Returns whether it did (an fp32 CPU weight only;
+        elsewhere the layer stays on F.linear)."""
         if self.packed is not None:
             return True
-        if not prepack_supported(self.weight):
+        if not prepack_supported(self.weight, matmul_dtype):
             return False
-        self.packed, self.panels = _pack(self.weight)
-        if not self.panels:
+        self.matmul_dtype = matmul_dtype
+        self._pack(self.weight)
+        if not self.panels or self.large is not None:
             self.weight = None  # a tied weight stays alive through its other owner (the embedding)
         return True
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        """`packed` (and `large`) from `weight` in `matmul_dtype`: panels where the library has them, else oneDNN's
+        layout."""
+        ops = _panel_ops()
+        self.panels = ops is not None
+        if ops is None:
+            self.packed = _onednn_pack(weight, self.matmul_dtype)
+            return
+        self.packed = ops.pack_panels(weight.detach().to(self.matmul_dtype).contiguous())
+        if self.matmul_dtype == torch.bfloat16:
+            self.large = _onednn_pack(weight, torch.bfloat16)
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
@@ -84,7 +126,7 @@ class Linear(nn.Module):
         if self.weight is not None:
             self.weight.copy_(weight)
         if self.packed is not None:
-            self.packed, self.panels = _pack(weight)
+            self._pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -92,13 +134,21 @@ class Linear(nn.Module):
         if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
             rows = x.reshape(-1, self.in_features).contiguous()
             # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving)
-            if not torch.compiler.is_compiling() and rows.shape[0] >= LARGE_ROWS:
-                return F.linear(x, self.weight, self.bias)
-            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+            if self.large is None:
+                if not torch.compiler.is_compiling() and rows.shape[0] >= LARGE_ROWS:
+                    return F.linear(x, self.weight, self.bias)
+                y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
+                return y.view(*x.shape[:-1], self.out_features)
+            if not torch.compiler.is_compiling() and rows.shape[0] >= BF16_LARGE_ROWS:
+                return _onednn_linear(x, self.large, self.bias)
+            # rounded as oneDNN's bf16 output, the bias after it: the same y whichever path a row count takes,
+            # up to the summation order
+            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, None).bfloat16().float()
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _onednn_linear(x, self.packed, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """kernels.silu_mul(self(x)) for a gate_up layer (gate rows, then up rows): one kernel where the GPU's
@@ -108,13 +158,14 @@ class Linear(nn.Module):
         return kernels.silu_mul(self(x))
 
     def extra_repr(self) -> str:
+        packed = "panels" if self.panels else self.packed is not None and str(self.matmul_dtype).split(".")[-1]
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"prepacked={'panels' if self.panels else self.packed is not None}")
+                f"prepacked={packed}")
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Prepack every Linear of `model` that can be (see Linear.prepack); returns how many were."""
-    return sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
+def prepack_linears(model: nn.Module, matmul_dtype: torch.dtype = torch.float32) -> int:
+    """Prepack every Linear of `model` that can be, in `matmul_dtype` (see Linear.prepack); returns how many were."""
+    return sum(m.prepack(matmul_dtype) for m in model.modules() if isinstance(m, Linear))
 
 
 _compile_op = None  # lmc::packed_linear, defined by register_compile_op()
@@ -130,7 +181,7 @@ def register_compile_op() -> None:
 
     @torch.library.custom_op("lmc::packed_linear", mutates_args=())
     def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _onednn_linear(x, packed, bias)
 
     @packed_linear.register_fake
     def _(x, packed, bias):
