@@ -629,7 +629,10 @@ def _line_cpu_vs_vllm(r: dict) -> str | None:
     if "vllm" not in res or "lmc" not in res:
         return None
     ratio = res["lmc_over_vllm"]["lmc"]
-    return (f"- CPU, lmc against vLLM-CPU engine to engine (embedded model, {r['threads']} threads each): decode at batch 16 "
+    dtype = "" if r.get("dtype", "float32") == "float32" else (
+        f", {r['dtype']}: lmc's linears, vLLM's whole model")
+    return (f"- CPU, lmc against vLLM-CPU engine to engine (embedded model, {r['threads']} threads each{dtype}): "
+            f"decode at batch 16 "
             f"lmc {fig(res['lmc']['decode_b16_tok_s'], 1, ' tok/s')}, vLLM {fig(res['vllm']['decode_b16_tok_s'], 1, ' tok/s')} "
             f"({num(ratio['decode_b16_tok_s'])}x); unrelated prompts lmc "
             f"{fig(res['lmc']['no_sharing_req_s'], 2, ' requests/s')}, vLLM "
@@ -678,7 +681,19 @@ def _line_programs_load(r: dict) -> str | None:
             f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
 
 
-README_LINES.update({"cpu_vs_vllm.json": _line_cpu_vs_vllm, "serving_bench.json": _line_serving,
+def _line_cpu_speed_bf16(r: dict) -> str | None:
+    res = r["results"]
+    if "bf16" not in res or "kernel" not in res:
+        return None
+    ratios = ", ".join(f"{label} {num(res['bf16'][k]['median'] / res['kernel'][k]['median'])}x" for k, label in (
+        ("decode_b1_tok_s", "decode at batch 1"), ("decode_b16_tok_s", "at batch 16"),
+        ("no_sharing_out_tok_s", "unrelated prompts")) if k in res["bf16"] and k in res["kernel"])
+    return (f"- CPU, `dtype=\"bfloat16\"` (the linears in bf16 on AMX, the rest fp32) against the fp32 default, "
+            f"tokens/s (ratio of medians, {r['reps']} runs alternating): {ratios}.")
+
+
+README_LINES.update({"cpu_vs_vllm.json": _line_cpu_vs_vllm, "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
+                     "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load})
 

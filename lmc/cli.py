@@ -690,7 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each call of a /v1/programs program as its own engine request (the ablation)")
     sv.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics")
     sv.add_argument("--device", default="auto")
-    sv.add_argument("--dtype", default="auto")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bf16 on CUDA, fp32 on the CPU; bfloat16 on a CPU with AMX or AVX-512 BF16 runs the "
+                         "linears in bf16, the rest in fp32")
     sv.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     sv.add_argument("--max-running-requests", type=int, default=256)
     sv.add_argument("--context-length", type=int, default=None)

@@ -109,12 +109,40 @@ def test_threads_split_work_without_changing_a_bit(ops):
         for n in (1, 2):
             torch.set_num_threads(n)
             outs.append((load()(q, k, v, table, *args),
-                         lib.panel_linear(x, lib.pack_panels(w), 1536, None) if lib is not None else None))
+                         *([lib.panel_linear(x, lib.pack_panels(w), 1536, None),
+                            lib.panel_linear(x, lib.pack_panels(w.bfloat16()), 1536, None)] if lib is not None else [])))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0][0], outs[1][0])
-    if lib is not None:
-        assert torch.equal(outs[0][1], outs[1][1])
+    for a, b in zip(*outs):  # attention, then the fp32 and bf16 panels' GEMM
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 70])
+def test_bf16_panels_sum_the_rounded_operands_products_in_fp32(m):
+    """bf16 panels (model/linear.py): W as packed from bf16, x rounded to bf16 to the nearest, ties to even, as torch
+    rounds it; the products exact in fp32 and summed in fp32; y rounded to bf16, then the bias added in fp32."""
+    from lmc.runtime.attention.cpu_kernel import panels
+
+    lib = panels()
+    if lib is None:
+        pytest.skip("no panel GEMM here (neither AVX-512 nor AVX2, or no C++ toolchain)")
+    n, k = 170, 200  # a partial last panel; k-blocks with a partial last one
+    x, w, bias = rand(m, k, seed=1), rand(n, k, seed=2), rand(n, seed=3)
+    packed = lib.pack_panels(w.bfloat16())
+    y = lib.panel_linear(x, packed, n, None)
+    exact = torch.nn.functional.linear(x.bfloat16().double(), w.bfloat16().double())
+    # the fp32 sum may sit on the other side of a bf16 rounding boundary than the exact one: one bf16 step apart
+    assert (y.double() - exact).abs().le(exact.abs() * 2 ** -8 + 1e-6).all()
+    assert torch.equal(y, y.bfloat16().float())  # y is a bf16 value
+    assert torch.equal(lib.panel_linear(x, packed, n, bias), y + bias)  # the bias after the rounding, in fp32
+    # the rounding of x itself, through an identity weight (finite x: an infinity times a 0 weight is nan): ties to
+    # even, past the tie, negative, the carry into the exponent, large, subnormal, zero
+    edge = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20, -(1 + 2 ** -8), 2 - 2 ** -9, 3.0e38,
+                         1e-40, 0.0])
+    xs = torch.cat([edge, rand(k - len(edge), seed=4)])[None]
+    ident = lib.pack_panels(torch.eye(k).bfloat16())
+    assert torch.equal(lib.panel_linear(xs, ident, k, None), xs.bfloat16().float())
+    assert torch.isnan(lib.panel_linear(torch.full((1, k), float("nan")), ident, k, None)).all()
 
 
 def test_the_library_builds_where_a_toolchain_is():

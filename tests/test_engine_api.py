@@ -16,6 +16,11 @@ def test_unknown_model_lists_known_ones():
         Engine("dummy:llama-9-99b")
 
 
+def test_unknown_dtype_is_named_with_the_choices():
+    with pytest.raises(ValueError, match=r"unknown dtype 'fp8'.*bfloat16"):
+        Engine("dummy:tiny", dtype="fp8")
+
+
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0.0), ("top_k", 0), ("min_p", 2),
                                          ("max_new_tokens", -3), ("frequency_penalty", 5), ("seed", "x"),
                                          ("min_new_tokens", 99), ("stop", [""])])

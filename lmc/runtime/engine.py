@@ -97,8 +97,11 @@ class Engine:
             # (0 would never prefill while anything decodes)
             raise ValueError(f"busy_prefill_tokens must be a positive int or None, got {busy_prefill_tokens!r}")
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-        dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
-              "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        dtypes = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "float32": torch.float32,
+                  "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype not in dtypes:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {tuple(dtypes)}")
+        dt = dtypes[dtype]
         # bf16 on the CPU: the linears in bf16 (oneDNN: AMX, AVX-512 BF16), the rest fp32 (model/linear.py); a CPU
         # without native bf16 runs the whole model in bf16 instead
         matmul_dt = None

@@ -453,7 +453,8 @@ static inline float round_bf16(float v) {  // to the nearest bf16, ties to even 
 }
 
 // x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N]. bf16 panels
-// take x rounded to bf16 (the products exact in fp32, as a bf16 GEMM's with fp32 accumulation).
+// take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the bias is added
+// in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias) {
   check_rows(x, "panel_linear");
@@ -469,7 +470,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   auto xi = at::empty({G, K, kRows}, x.options());  // x in groups of kRows rows, interleaved (see panel_block)
   const float* xp = x.data_ptr<float>();
   const void* wp = panels.data_ptr();
-  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
+  const float* bp = bf16 ? nullptr : bias_p;  // bf16: added after the rounding, below
   float *yp = y.data_ptr<float>(), *xq = xi.data_ptr<float>();
   at::parallel_for(0, G, kRowGrain / kRows, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
@@ -508,6 +510,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
       }
     }
   });
+  if (bf16)
+    at::parallel_for(0, M, kRowGrain, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        for (int64_t n = 0; n < N; ++n) yp[i * N + n] = round_bf16(yp[i * N + n]) + (bias_p ? bias_p[n] : 0.f);
+    });
   return y;
 }
 #endif

@@ -141,11 +141,10 @@ class Linear(nn.Module):
                 return y.view(*x.shape[:-1], self.out_features)
             if not torch.compiler.is_compiling() and rows.shape[0] >= BF16_LARGE_ROWS:
                 return _onednn_linear(x, self.large, self.bias)
-            # rounded as oneDNN's bf16 output, the bias after it: the same y whichever path a row count takes,
-            # up to the summation order
-            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, None).bfloat16().float()
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            # (bf16 panels round y as oneDNN's bf16 output, the bias after it: the same y whichever path a row
+            # count takes, up to the summation order)
+            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
         return _onednn_linear(x, self.packed, self.bias)
