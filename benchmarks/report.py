@@ -774,7 +774,10 @@ def render_programs_load(r: dict, _dir: Path) -> str:
         "interpreted, and vLLM-CPU\n",
         f"A mixed stream ({', '.join(f'{k} {v:.0%}' for k, v in r['mix'].items())}) of {r['instances_per_run']} "
         f"instances per run arriving at Poisson rates against `lmc serve` with a {r['kv_tokens']}-token KV pool "
-        "(too small to keep every prefix), temperature 0. *compiled*: segments over POST /v1/programs with the "
+        "(too small to keep every prefix), temperature 0"
+        + (f"; the lmc servers with --dtype {r['lmc_dtype']} (the linears in bf16, whose rounding follows the batch: "
+           "variables may differ between systems)" if r.get("lmc_dtype", "auto") != "auto" else "")
+        + ". *compiled*: segments over POST /v1/programs with the "
         "plan's hints; *interpreted*: one request per gen/select over RuntimeEndpoint; the server's "
         "--schedule-policy before the slash" + (f" (the program server with --busy-prefill-tokens "
                                                  f"{r['program_server_busy_prefill_tokens']}: forward shaping)"

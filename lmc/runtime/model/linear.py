@@ -19,9 +19,9 @@ instead, which runs it on AMX tiles or AVX-512 BF16 (`bf16_supported`): x is rou
 out of oneDNN in bf16 (fp32 accumulation) and is widened back to fp32 with the bias added in fp32, so the model
 around the linears (norms, rotary, attention, the KV cache) stays fp32, as torch.autocast runs a model in bf16 on
 the CPU. Where the panel GEMM is built, the weight is also packed in bf16 panels (the C++ kernel widens each bf16
-weight to fp32 with a shift, so a decode step streams half the bytes: 13.7 against 21.3 ms of a step's linears at
-one row), which serve up to BF16_LARGE_ROWS rows; oneDNN's bf16 GEMM serves more (AMX: 20.0 against the fp32 panels'
-67.9 ms at 64 rows). Figures: benchmarks/cpu_speed.py --gemm on this machine's 2 cores (Xeon with AMX),
+weight to fp32 with a shift, so a decode step streams half the bytes: 12.1 against 19.6 ms of a step's linears at
+one row), which serve below BF16_LARGE_ROWS rows; oneDNN's bf16 GEMM serves more (AMX: 29.9 against the fp32
+panels' 74.0 ms at 64 rows). Figures: benchmarks/cpu_speed.py --gemm on this machine's 2 cores (Xeon with AMX),
 results/cpu_speed_bf16.json.
 
 Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is an ordinary module with a
@@ -42,7 +42,7 @@ from .. import kernels
 LARGE_ROWS = 2048
 # Rows of x from which bf16 panels hand the product to oneDNN's bf16 GEMM (AMX): below it the panels stream the bf16
 # weight at memory speed, from it AMX's tiles win (benchmarks/cpu_speed.py --gemm, its bf16_panels and bf16_onednn
-# columns: 15.4 against 22.0 ms of a step's linears at 8 rows, 23.3 against 20.7 at 16, 46.3 against 31.7 at 32).
+# columns: 15.2 against 22.1 ms of a step's linears at 8 rows, 26.4 against 22.6 at 16, 50.3 against 32.0 at 32).
 BF16_LARGE_ROWS = 16
 # The batch size oneDNN's weight layout is chosen for: a decode batch. Measured on this build (2 cores, AVX-512):
 # the same blocked layout serves batches 1-1024 within noise of a layout packed for each.
