@@ -278,9 +278,9 @@ def main() -> None:
         "load_average_before_after": [load_before],
         "provenance": prov,
     }
-    if os.path.exists(args.out):  # start times measured by an earlier --only-start run are kept
+    if os.path.exists(args.out):  # start times and the GEMM sweep of earlier --only-start / --gemm runs are kept
         prev = json.load(open(args.out))
-        out.update({k: prev[k] for k in ("start_s", "start_load_average_before_after", "start_provenance")
+        out.update({k: prev[k] for k in ("start_s", "start_load_average_before_after", "start_provenance", "gemm")
                     if k in prev})
     if not args.skip_start:
         out["start_s"] = measure_starts(args.configs, args.start_reps or args.reps)

@@ -37,6 +37,7 @@ from . import continuation
 from .continuation import ChainStep
 from .core import EngineError, Req, RequestError, SamplingParams
 from .grammar import GrammarCache
+from .host_memory import keep_freed_memory
 from .model.linear import bf16_supported
 from .model.loader import resolve
 from .runner import ModelRunner
@@ -107,6 +108,8 @@ class Engine:
         matmul_dt = None
         if dev.type == "cpu" and dt == torch.bfloat16 and bf16_supported():
             matmul_dt, dt = dt, torch.float32
+        if dev.type == "cpu":
+            keep_freed_memory()  # activations' memory reused across forwards, not page-faulted in each time
         src = resolve(model)
         self.model_name = src.name
         self.tokenizer = None
