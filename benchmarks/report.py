@@ -676,7 +676,9 @@ def _line_programs_load(r: dict) -> str | None:
     if not q:
         return None
     shaped = " and forward shaping" if r.get("program_server_busy_prefill_tokens") else ""
-    return (f"- Program instances under load at {num(r['saturation_rate'], 2)}/s, the `program` policy{shaped} with "
+    dtype = f", lmc servers in {r['lmc_dtype']}" if r.get("lmc_dtype", "auto") != "auto" else ""
+    return (f"- Program instances under load ({r['instances_per_run']} a run at {num(r['saturation_rate'], 2)}/s"
+            f"{dtype}), the `program` policy{shaped} with "
             f"compiled programs against `lpm` with interpreted ones: mean completion {fig(q['mean_ratio'], 2, 'x')}, p90 "
             f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
 
@@ -695,7 +697,8 @@ def _line_cpu_speed_bf16(r: dict) -> str | None:
 README_LINES.update({"cpu_vs_vllm.json": _line_cpu_vs_vllm, "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
-                     "programs_load.json": _line_programs_load})
+                     "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
+                     "programs_load_24_bf16.json": _line_programs_load})
 
 
 
