@@ -57,4 +57,7 @@ def test_sglang_bench_client_completes_every_request(server, tmp_path, stream):
     assert all(text for text in result["generated_texts"])
     if stream:  # time to first token and inter-token latency come from the streamed chunks
         assert all(0 < ttft for ttft in result["ttfts"])
-        assert all(len(itl) == OUTPUT_LEN - 1 for itl in result["itls"])
+        # The client counts inter-token latencies from its first chunk with text on, one per new token: a first
+        # token whose text the server holds back (an incomplete character) arrives with the second, and that
+        # request has one fewer.
+        assert all(OUTPUT_LEN - 2 <= len(itl) <= OUTPUT_LEN - 1 for itl in result["itls"])
