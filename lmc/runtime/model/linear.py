@@ -134,15 +134,12 @@ class Linear(nn.Module):
         if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
             rows = x.reshape(-1, self.in_features).contiguous()
             # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving)
-            if self.large is None:
-                if not torch.compiler.is_compiling() and rows.shape[0] >= LARGE_ROWS:
-                    return F.linear(x, self.weight, self.bias)
-                y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
-                return y.view(*x.shape[:-1], self.out_features)
-            if not torch.compiler.is_compiling() and rows.shape[0] >= BF16_LARGE_ROWS:
-                return _onednn_linear(x, self.large, self.bias)
-            # (bf16 panels round y as oneDNN's bf16 output, the bias after it: the same y whichever path a row
-            # count takes, up to the summation order)
+            if not torch.compiler.is_compiling() and rows.shape[0] >= (LARGE_ROWS if self.large is None
+                                                                       else BF16_LARGE_ROWS):
+                # fp32: MKL on the dense weight; bf16: oneDNN, whose bf16 output the bf16 panels round to, so
+                # y is the same whichever path a row count takes, up to the summation order
+                return (F.linear(x, self.weight, self.bias) if self.large is None
+                        else _onednn_linear(x, self.large, self.bias))
             y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
