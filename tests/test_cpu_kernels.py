@@ -1,5 +1,6 @@
-"""The C++ CPU elementwise kernels (lmc/runtime/attention/cpu_kernel.py), which kernels/__init__.py dispatches fp32
-CPU tensors to, against the torch reference ops (kernels/reference.py) at decode and prefill row counts."""
+"""The C++ CPU elementwise kernels (lmc/runtime/attention/cpu_kernel.py), which kernels/__init__.py dispatches CPU
+tensors to (fp32, or the bf16 outputs of bf16 linears), against the torch reference ops (kernels/reference.py) at
+decode and prefill row counts."""
 import pytest
 import torch
 
@@ -63,10 +64,61 @@ def test_bad_input_is_refused_by_name(ops):
         ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-5)
 
 
-def test_dispatch_takes_the_kernels_only_in_eager_fp32(ops):
+def test_dispatch_takes_the_kernels_for_fp32_or_bf16_activations_between_fp32_operands(ops):
     x = torch.zeros(2, 8)
     assert kernels._cpu_ops(x) is ops and kernels.fuses_kv_write(x)
-    assert kernels._cpu_ops(x.double()) is None and not kernels.fuses_kv_write(x.bfloat16())
+    # a bf16 linear's output between fp32 weights (Engine(dtype="bfloat16") on a CPU with native bf16)
+    assert kernels._cpu_ops(x.bfloat16(), x) is ops and kernels.fuses_kv_write(x.bfloat16())
+    # a model wholly in bf16 keeps the reference's roundings; other dtypes have no kernel
+    assert kernels._cpu_ops(x.bfloat16(), x.bfloat16()) is None
+    assert kernels._cpu_ops(x.double()) is None and not kernels.fuses_kv_write(x.half())
+
+
+def test_rope_q_write_kv_into_a_bf16_cache_takes_the_reference(ops):
+    """A model wholly in bf16 (a CPU without native bf16): RoPE in bf16 as the reference rounds it, then the writes."""
+    qkv, cos, sin = rand(3, 5 * 4, seed=1).bfloat16(), *(rand(3, 4, seed=s).bfloat16() for s in (2, 3))
+    caches, slots = [[torch.zeros(6, 1, 4, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)], torch.arange(3)
+    q = kernels.rope_q_write_kv(qkv, cos, sin, 3, 1, 4, *caches[0], slots)
+    assert torch.equal(q, reference.rope_q_write_kv(qkv, cos, sin, 3, 1, 4, *caches[1], slots))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_bf16_activations_give_the_fp32_kernels_results_rounded_where_a_linear_rounds(ops, tokens):
+    """A bf16 activation (a bf16 linear's output) widens exactly: each kernel gives what it gives for the widened
+    fp32 input, with the outputs that feed a linear (the norm, SiLU-mul's product) rounded to bf16, ties to even,
+    as that linear would round them; the residual stream, q and the KV cache stay fp32."""
+    res, x, w = rand(tokens, 576, seed=1), rand(tokens, 576, seed=2).bfloat16(), rand(576, seed=3)
+    h, y = kernels.add_rms_norm(res, x, w, 1e-5)
+    h32, y32 = ops.add_rms_norm(res, x.float(), w, 1e-5)
+    assert h.dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert torch.equal(h, h32) and torch.equal(y, y32.bfloat16())
+    gu = rand(tokens, 2 * 1536, seed=4, scale=6).bfloat16()
+    out = kernels.silu_mul(gu)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ops.silu_mul(gu.float()).bfloat16())
+    # the reference rounds twice (silu, then the product) where the kernel rounds once: at most a bf16 step apart
+    assert (out.float() - reference.silu_mul(gu).float()).abs().le(out.float().abs() * 2 ** -7 + 1e-30).all()
+    hq, hkv, dim, num_slots = 9, 3, 64, tokens + 9
+    qkv = rand(tokens, (hq + 2 * hkv) * dim, seed=5).bfloat16()
+    angles = torch.arange(tokens, dtype=torch.float32)[:, None] * rand(1, dim // 2, seed=6).abs()
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(7))[:tokens]
+    caches = [[torch.zeros(num_slots, hkv, dim) for _ in range(2)] for _ in range(2)]
+    q = kernels.rope_q_write_kv(qkv, cos, sin, hq, hkv, dim, *caches[0], slots)
+    q32 = ops.rope_q_write_kv(qkv.float(), cos, sin, hq, hkv, *caches[1], slots)
+    assert q.dtype == torch.float32 and torch.equal(q, q32)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[0][1][slots], qkv[:, (hq + hkv) * dim:].float().view(tokens, hkv, dim))
+
+
+def test_bf16_rounding_keeps_nan_and_infinity(ops):
+    """The kernels' rounding to bf16 (attention/cpu_kernel.py bf16_bits) at its edges, against torch's: a NaN stays
+    a NaN (whatever its payload), an infinity stays infinite, the largest finite values round up to infinity."""
+    g = torch.tensor([[float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 1e-40, 0.0, 1.0]])
+    gu = torch.cat([torch.full_like(g, 1e4), g], 1).bfloat16()
+    out = ops.silu_mul(gu)  # silu(gate) = gate at 1e4 (9984 in bf16): out = 9984 * g, rounded to bf16
+    ref = (gu[:, :8].float() * gu[:, 8:].float()).bfloat16()
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out[~out.isnan()], ref[~ref.isnan()])
 
 
 def test_argmax_rows_is_torch_max_index(ops):
@@ -143,6 +195,9 @@ def test_bf16_panels_sum_the_rounded_operands_products_in_fp32(m):
     ident = lib.pack_panels(torch.eye(k).bfloat16())
     assert torch.equal(lib.panel_linear(xs, ident, k, None), xs.bfloat16().float())
     assert torch.isnan(lib.panel_linear(torch.full((1, k), float("nan")), ident, k, None)).all()
+    # a bf16 x (a bf16 linear's output) is its fp32 value
+    assert torch.equal(lib.panel_linear(x.bfloat16(), packed, n, bias), lib.panel_linear(x.bfloat16().float(), packed,
+                                                                                         n, bias))
 
 
 def test_the_library_builds_where_a_toolchain_is():

@@ -8,10 +8,14 @@ attention over keys 0..position read at slots table[rows[b], j]. Work items are 
 of a slot are loaded once for all query heads of the group (GQA). Scores go to a per-item buffer, then a two-pass
 softmax in fp32 (as transformers' eager attention, so logprobs match it). No K/V is copied.
 
-The decoder layer's elementwise ops in fp32, each one pass instead of the torch reference's 5-8 ops
+The decoder layer's elementwise ops, computed in fp32, each one pass instead of the torch reference's 5-8 ops
 (kernels/reference.py has their definitions; kernels/__init__.py dispatches to these on the CPU): `rms_norm`,
 `add_rms_norm`, `silu_mul` and `rope_q_write_kv` (RoPE of q and k, with k and v written into the KV cache); and
-the greedy sampler's `argmax_rows` (sampling.py).
+the greedy sampler's `argmax_rows` (sampling.py). The activations a linear writes (add_rms_norm's x, silu_mul's and
+rope_q_write_kv's input) may be bf16, the output of the bf16 linears of `Engine(dtype="bfloat16")` (model/linear.py):
+they widen exactly, and the outputs that feed a linear (the norm, silu_mul's product) leave in the input's dtype,
+rounded as the linear would round them, so no fp32 copy of a bf16 activation is made and the numbers are those of
+fp32 activations rounded at each linear's input.
 
 On AVX-512 and AVX2 CPUs, a GEMM for the linears (`pack_panels`, `panel_linear`; model/linear.py): weights in panels
 of 48 (AVX-512) or 16 (AVX2) outputs, streamed once per 8 or 6 rows of x.
@@ -48,6 +52,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // exp(x) in plain arithmetic that `omp simd` vectorizes (std::exp stays a scalar libm call): Cephes' expf, 2^n
@@ -78,6 +83,36 @@ constexpr int64_t kSlotAhead = 8;
 static inline void prefetch_row(const float* r, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(r + d, 0, 3);
 }
+
+// Activations come in fp32, or in bf16 where a bf16 linear made them (model/linear.py); the kernels compute in fp32
+// either way (a bf16 value widens exactly) and give an output that feeds a linear in its input's dtype, rounded to
+// the nearest bf16, ties to even (as c10::BFloat16): the value the linear would round an fp32 output to.
+using bf16_t = uint16_t;
+static inline float widen(float v) { return v; }
+static inline float widen(bf16_t v) {
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline bf16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if (v != v) return 0x7fc0;  // NaN stays a (quiet) NaN
+  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // an inf stays inf: its low half is zero
+}
+static inline void narrow(float* p, float v) { *p = v; }
+static inline void narrow(bf16_t* p, float v) { *p = bf16_bits(v); }
+static inline float round_bf16(float v) { return widen(bf16_bits(v)); }  // to the nearest bf16, kept in fp32
+
+// f(pointer to x's data) with the pointer typed by x's dtype: fp32 or bf16.
+template <typename F>
+static inline void by_dtype(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kBFloat16) f((const bf16_t*)x.data_ptr());
+  else f(x.data_ptr<float>());
+}
+template <typename P>
+using elem_t = std::remove_const_t<std::remove_pointer_t<P>>;
 
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
@@ -158,14 +193,21 @@ static void check_rows(const at::Tensor& x, const char* what) {
               ": a contiguous fp32 [T, H] tensor expected");
 }
 
-// y = w * (x * rsqrt(mean(x^2) + eps)) for one row: transformers' LlamaRMSNorm in fp32.
-static inline void rms_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+// An activation: fp32 or bf16 (see widen).
+static void check_activation(const at::Tensor& x, const char* what) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 &&
+              x.is_contiguous(), what, ": a contiguous fp32 or bf16 [T, H] tensor expected");
+}
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) for one row: transformers' LlamaRMSNorm in fp32, y in Y (see widen).
+template <typename Y>
+static inline void rms_row(const float* x, const float* w, Y* y, int64_t H, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t j = 0; j < H; ++j) ss += x[j] * x[j];
   const float r = 1.f / std::sqrt(ss / (float)H + eps);
 #pragma omp simd
-  for (int64_t j = 0; j < H; ++j) y[j] = w[j] * (x[j] * r);
+  for (int64_t j = 0; j < H; ++j) narrow(y + j, w[j] * (x[j] * r));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -181,62 +223,70 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// (h, rms_norm(h)) for h = residual + x.
+// (h, rms_norm(h)) for h = residual + x: residual and h fp32, x and the norm fp32 or bf16.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& w,
                                                 double eps) {
   check_rows(residual, "add_rms_norm");
-  check_rows(x, "add_rms_norm");
+  check_activation(x, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual and x differ in shape");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == H && w.is_contiguous(), "add_rms_norm: fp32 weight [H]");
-  auto h = at::empty_like(x), y = at::empty_like(x);
-  const float *rp = residual.data_ptr<float>(), *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      float* hr = hp + t * H;
+  auto h = at::empty_like(residual), y = at::empty_like(x);
+  const float *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  by_dtype(x, [&](auto xp) {
+    auto* yp = (elem_t<decltype(xp)>*)y.data_ptr();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        float* hr = hp + t * H;
 #pragma omp simd
-      for (int64_t j = 0; j < H; ++j) hr[j] = rp[t * H + j] + xp[t * H + j];
-      rms_row(hr, wp, yp + t * H, H, (float)eps);
-    }
+        for (int64_t j = 0; j < H; ++j) hr[j] = rp[t * H + j] + widen(xp[t * H + j]);
+        rms_row(hr, wp, yp + t * H, H, (float)eps);
+      }
+    });
   });
   return {h, y};
 }
 
-// [T, 2I] (gate | up) -> [T, I] silu(gate) * up.
+// [T, 2I] (gate | up) -> [T, I] silu(gate) * up, in gate_up's dtype (fp32 or bf16).
 at::Tensor silu_mul(const at::Tensor& gu) {
-  check_rows(gu, "silu_mul");
+  check_activation(gu, "silu_mul");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   TORCH_CHECK(gu.size(1) == 2 * I, "silu_mul: an even number of columns expected");
   auto y = at::empty({T, I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const float *g = gp + t * 2 * I, *u = g + I;
-      float* o = yp + t * I;
+  by_dtype(gu, [&](auto gp) {
+    auto* yp = (elem_t<decltype(gp)>*)y.data_ptr();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const auto *g = gp + t * 2 * I, *u = g + I;
+        auto* o = yp + t * I;
 #pragma omp simd
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.f + exp_simd(-g[j])) * u[j];
-    }
+        for (int64_t j = 0; j < I; ++j) {
+          const float gj = widen(g[j]);
+          narrow(o + j, gj / (1.f + exp_simd(-gj)) * widen(u[j]));
+        }
+      }
+    });
   });
   return y;
 }
 
 // Rotate-half RoPE of one head: o = x * cos + rotate_half(x) * sin.
-static inline void rope_head(const float* x, const float* c, const float* s, float* o, int64_t D) {
+template <typename X>
+static inline void rope_head(const X* x, const float* c, const float* s, float* o, int64_t D) {
   const int64_t half = D / 2;
 #pragma omp simd
-  for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+  for (int64_t d = 0; d < half; ++d) o[d] = widen(x[d]) * c[d] + (-widen(x[d + half])) * s[d];
 #pragma omp simd
-  for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+  for (int64_t d = half; d < D; ++d) o[d] = widen(x[d]) * c[d] + widen(x[d - half]) * s[d];
 }
 
-// qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] rotated; the rotated k and v written to k_cache/v_cache [S, Hkv, D] at
-// slots [T]. cos/sin: [T, D], gathered at the tokens' positions.
+// qkv [T, (Hq + 2 Hkv) D] (fp32 or bf16) -> q [T, Hq, D] rotated, fp32; the rotated k and v written to the fp32
+// k_cache/v_cache [S, Hkv, D] at slots [T]. cos/sin: [T, D], gathered at the tokens' positions.
 at::Tensor rope_q_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t Hq,
                            int64_t Hkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots) {
-  check_rows(qkv, "rope_q_write_kv");
+  check_activation(qkv, "rope_q_write_kv");
   check_rows(cos, "rope_q_write_kv (cos)");
   check_rows(sin, "rope_q_write_kv (sin)");
   const int64_t T = qkv.size(0), D = cos.size(1);
@@ -247,20 +297,23 @@ at::Tensor rope_q_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
               && v_cache.sizes() == k_cache.sizes(), "rope_q_write_kv: fp32 contiguous caches [S, Hkv, D] expected");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
               "rope_q_write_kv: int64 slots [T] expected");
-  auto q = at::empty({T, Hq, D}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  auto q = at::empty({T, Hq, D}, qkv.options().dtype(at::kFloat));
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t S = k_cache.size(0), W = (Hq + 2 * Hkv) * D, KV = Hkv * D;
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "rope_q_write_kv: slot out of range");
-  at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const float *row = xp + t * W, *c = cp + t * D, *s = sp + t * D;
-      for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, c, s, qp + (t * Hq + h) * D, D);
-      float *kd = kc + sl[t] * KV, *vd = vc + sl[t] * KV;
-      for (int64_t h = 0; h < Hkv; ++h) rope_head(row + (Hq + h) * D, c, s, kd + h * D, D);
-      std::copy(row + (Hq + Hkv) * D, row + W, vd);
-    }
+  by_dtype(qkv, [&](auto xp) {
+    at::parallel_for(0, T, kRowGrain, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const auto* row = xp + t * W;
+        const float *c = cp + t * D, *s = sp + t * D;
+        for (int64_t h = 0; h < Hq; ++h) rope_head(row + h * D, c, s, qp + (t * Hq + h) * D, D);
+        float *kd = kc + sl[t] * KV, *vd = vc + sl[t] * KV;
+        for (int64_t h = 0; h < Hkv; ++h) rope_head(row + (Hq + h) * D, c, s, kd + h * D, D);
+        for (int64_t j = 0; j < KV; ++j) vd[j] = widen(row[(Hq + Hkv) * D + j]);
+      }
+    });
   });
   return q;
 }
@@ -443,21 +496,12 @@ static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t
   panel_block<MB>(xg, k0, k1, wp, y, N, mask, full, bias, first, last, pf);
 }
 
-static inline float round_bf16(float v) {  // to the nearest bf16, ties to even (as c10::BFloat16), kept in fp32
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u);  // inf and NaN as they are
-  u &= 0xffff0000u;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-
-// x [M, K] fp32 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N]. bf16 panels
+// x [M, K] fp32 or bf16 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N]. bf16 panels
 // take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the bias is added
 // in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias) {
-  check_rows(x, "panel_linear");
+  check_activation(x, "panel_linear");
   const bool bf16 = panels.scalar_type() == at::kBFloat16;
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), G = (M + kRows - 1) / kRows;
   TORCH_CHECK((panels.scalar_type() == at::kFloat || bf16) && panels.is_contiguous() && panels.dim() == 3 &&
@@ -466,23 +510,24 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "panel_linear: an fp32 bias [N] expected");
-  auto y = at::empty({M, N}, x.options());
-  auto xi = at::empty({G, K, kRows}, x.options());  // x in groups of kRows rows, interleaved (see panel_block)
-  const float* xp = x.data_ptr<float>();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto xi = at::empty({G, K, kRows}, y.options());  // x in groups of kRows rows, interleaved (see panel_block)
   const void* wp = panels.data_ptr();
   const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
   const float* bp = bf16 ? nullptr : bias_p;  // bf16: added after the rounding, below
   float *yp = y.data_ptr<float>(), *xq = xi.data_ptr<float>();
-  at::parallel_for(0, G, kRowGrain / kRows, [&](int64_t lo, int64_t hi) {
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t rows = std::min<int64_t>(kRows, M - g * kRows);
-      float* dst = xq + g * K * kRows;
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t k = 0; k < K; ++k) {
-          const float v = xp[(g * kRows + i) * K + k];
-          dst[k * kRows + i] = bf16 ? round_bf16(v) : v;
-        }
-    }
+  by_dtype(x, [&](auto xp) {
+    at::parallel_for(0, G, kRowGrain / kRows, [&](int64_t lo, int64_t hi) {
+      for (int64_t g = lo; g < hi; ++g) {
+        const int64_t rows = std::min<int64_t>(kRows, M - g * kRows);
+        float* dst = xq + g * K * kRows;
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t k = 0; k < K; ++k) {
+            const float v = widen(xp[(g * kRows + i) * K + k]);
+            dst[k * kRows + i] = bf16 ? round_bf16(v) : v;
+          }
+      }
+    });
   });
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kRows * (int64_t)sizeof(float)));  // in groups
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {

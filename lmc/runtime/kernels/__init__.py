@@ -4,7 +4,8 @@ pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny 
 faster than cuBLAS, skinny_gemm.py).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors, the C++ kernel
-(attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for fp32 CPU tensors in eager mode,
+(attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for CPU tensors in eager mode (fp32,
+or bf16 activations between fp32 weights: the bf16 linears of model/linear.py),
 and the torch reference (reference.py) otherwise: torch.compile's view of the CPU forward is the plain torch ops
 they always were, which inductor fuses itself. The Triton kernels round where the torch ops round (to the
 activation dtype after each op) so that GPU results stay within an ulp of the reference rather than merely within
@@ -25,10 +26,17 @@ def _fused(x: torch.Tensor) -> bool:
 _cpu_lib: list = []  # [torch.ops.lmc_cpu, or None where it cannot be built] once looked up
 
 
-def _cpu_ops(x: torch.Tensor):
-    """The C++ CPU kernels (attention/cpu_kernel.py) for an fp32 CPU tensor outside torch.compile, else None
-    (inductor fuses the reference ops itself, and other dtypes have no C++ kernel)."""
-    if not x.is_cpu or x.dtype != torch.float32 or torch.compiler.is_compiling():
+# The dtypes of an activation (a linear's output) that the C++ kernels read: bf16 is a bf16 linear's output, which
+# they widen exactly (attention/cpu_kernel.py).
+_CPU_ACTIVATIONS = (torch.float32, torch.bfloat16)
+
+
+def _cpu_ops(x: torch.Tensor, *fp32: torch.Tensor):
+    """The C++ CPU kernels (attention/cpu_kernel.py) for a CPU activation `x` in fp32 or bf16 whose other operands
+    `fp32` (weights, the residual stream, the RoPE tables) are fp32, outside torch.compile; else None (inductor fuses
+    the reference ops itself, and a model run wholly in bf16 or fp16 keeps the reference's roundings)."""
+    if (not x.is_cpu or x.dtype not in _CPU_ACTIVATIONS or any(t.dtype != torch.float32 for t in fp32)
+            or torch.compiler.is_compiling()):
         return None
     if not _cpu_lib:
         from ..attention.cpu_kernel import elementwise
@@ -38,8 +46,9 @@ def _cpu_ops(x: torch.Tensor):
 
 
 def fuses_kv_write(x: torch.Tensor) -> bool:
-    """Whether rope_q_write_kv runs as one kernel for x (else the caller keeps RoPE and the KV write apart, as
-    the compiled CPU forward does so that the write stays outside torch.compile's graphs)."""
+    """Whether the caller hands RoPE and the KV write for qkv `x` to rope_q_write_kv (one kernel, where the cache is
+    fp32 on the CPU), or keeps them apart, as the compiled CPU forward does so that the write stays outside
+    torch.compile's graphs."""
     return _fused(x) or _cpu_ops(x) is not None
 
 
@@ -77,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from . import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps)
-    cpu = _cpu_ops(x)
+    cpu = _cpu_ops(x, x, weight)
     if cpu is not None:
         return cpu.rms_norm(x.contiguous(), weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -85,19 +94,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) for h = residual + x: the residual stream and the next sublayer's input, in one pass."""
+    """(h, rms_norm(h)) for h = residual + x: the residual stream and the next sublayer's input, in one pass. The
+    norm comes in x's dtype (h in residual's): a bf16 x (a bf16 linear's output) gives the next linear its bf16
+    input."""
     if _fused(x):
         from . import triton_ops
 
         return triton_ops.add_rms_norm(residual, x, weight, eps)
-    cpu = _cpu_ops(x)
+    cpu = _cpu_ops(x, residual, weight)
     if cpu is not None:
         return cpu.add_rms_norm(residual.contiguous(), x.contiguous(), weight, eps)
     return reference.add_rms_norm(residual, x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> [T, I] silu(gate) * up."""
+    """[T, 2I] (gate | up) -> [T, I] silu(gate) * up, in gate_up's dtype."""
     if _fused(gate_up):
         from . import triton_ops
 
@@ -123,13 +134,13 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads
 def rope_q_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                     head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """rope_qk, with the rotated k and v written straight into one layer's KV cache at `slots` ([T] int64) instead
-    of being returned: returns q. One kernel on CUDA and (fp32) on the CPU; the torch reference (rope, then two index
-    writes) else."""
+    of being returned: returns q. One kernel on CUDA and on the CPU (with an fp32 cache; qkv fp32 or bf16, q then
+    fp32); the torch reference (rope, then two index writes) else."""
     if _fused(qkv):
         from . import triton_ops
 
         return triton_ops.rope_q_write_kv(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
-    cpu = _cpu_ops(qkv)
+    cpu = _cpu_ops(qkv, cos, sin, k_cache, v_cache)
     if cpu is not None and head_dim == cos.shape[-1]:
         return cpu.rope_q_write_kv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_q_heads, num_kv_heads,
                                    k_cache, v_cache, slots.long().contiguous())

@@ -15,8 +15,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm in x's dtype: an fp32 stream's norm rounded for a bf16 x's next linear (kernels.add_rms_norm)."""
     h = residual + x
-    return h, rms_norm(h, weight, eps)
+    return h, rms_norm(h, weight, eps).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

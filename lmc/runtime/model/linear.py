@@ -16,13 +16,15 @@ fp32 CPU weight once, into one of two layouts:
 
 With `matmul_dtype=torch.bfloat16` (`Engine(dtype="bfloat16")` on the CPU) the weight is packed in bf16 for oneDNN
 instead, which runs it on AMX tiles or AVX-512 BF16 (`bf16_supported`): x is rounded to bf16 on the way in, y comes
-out of oneDNN in bf16 (fp32 accumulation) and is widened back to fp32 with the bias added in fp32, so the model
-around the linears (norms, rotary, attention, the KV cache) stays fp32, as torch.autocast runs a model in bf16 on
-the CPU. Where the panel GEMM is built, the weight is also packed in bf16 panels (the C++ kernel widens each bf16
-weight to fp32 with a shift, so a decode step streams half the bytes: 12.1 against 19.6 ms of a step's linears at
-one row), which serve below BF16_LARGE_ROWS rows; oneDNN's bf16 GEMM serves more (AMX: 29.9 against the fp32
-panels' 74.0 ms at 64 rows). Figures: benchmarks/cpu_speed.py --gemm on this machine's 2 cores (Xeon with AMX),
-results/cpu_speed_bf16.json.
+out of oneDNN in bf16 (fp32 accumulation) and stays bf16 (with a bias: widened to fp32, the bias added in fp32). The
+model around the linears (norms, rotary, attention, the KV cache) computes in fp32, as torch.autocast runs a model
+in bf16 on the CPU; the C++ kernels read the bf16 outputs and the norms and SiLU-mul write the next linear's input
+in bf16 (attention/cpu_kernel.py), so a prefill makes no fp32 copies of its bf16 activations. Where the panel GEMM
+is built, the weight is also packed in bf16 panels (the C++ kernel widens each bf16 weight to fp32 with a shift, so
+a decode step streams half the bytes: 12.1 against 19.6 ms of a step's linears at one row), which serve below
+BF16_LARGE_ROWS rows, y rounded to bf16 but kept in fp32 (a decode step's activations are small); oneDNN's bf16
+GEMM serves more (AMX: 29.9 against the fp32 panels' 74.0 ms at 64 rows). Figures: benchmarks/cpu_speed.py --gemm
+on this machine's 2 cores (Xeon with AMX), results/cpu_speed_bf16.json.
 
 Before prepacking (loading, sharding, dummy fill, GPU, other dtypes) a Linear is an ordinary module with a
 `weight` parameter [out_features, in_features] and an optional `bias` [out_features], named as nn.Linear's.
@@ -74,12 +76,12 @@ def _onednn_pack(weight: torch.Tensor, matmul_dtype: torch.dtype) -> torch.Tenso
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear on a packed weight. A bf16 weight takes x rounded to bf16 and gives y in x's dtype, the bias
-    added in x's dtype (module docstring)."""
-    if packed.dtype == x.dtype:
+    """oneDNN's linear on a packed weight. A bf16 weight takes x rounded to bf16 and gives y in bf16, or with a
+    bias, y widened to fp32 with the bias added in fp32 (module docstring)."""
+    if packed.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "").to(x.dtype)
-    return y if bias is None else y + bias
+    y = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, None, "none", [], "")
+    return y if bias is None else y.to(bias.dtype) + bias
 
 
 class Linear(nn.Module):
