@@ -114,6 +114,46 @@ static inline void by_dtype(const at::Tensor& x, F&& f) {
 template <typename P>
 using elem_t = std::remove_const_t<std::remove_pointer_t<P>>;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// The scores of 16 keys at once, for head dims that are a multiple of 16 (AVX-512): a dot product per key reduced
+// on its own spends more instructions on its horizontal sum than on its FMAs (a decode step over a cached few-shot
+// prefix, read from cache, is bound by them). Here 16 accumulators (one per key: lane-wise partial sums over D)
+// are reduced together by a transpose tree, 45 instructions for 16 sums; lane r of the result is key r's dot.
+static inline __m512 hsum16(__m512 a[16]) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of a = a[2i], b = a[2i + 1]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of a[4i .. 4i + 3]
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // the four 128-bit lanes summed: lane pairs, then the pairs' sums
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[g * n + j] = scale * q_g . k_j for keys j in [j0, j0 + m), m <= 16, rows[r] = key j0 + r's row (a valid row
+// repeated past m: its lanes are not stored).
+static inline void scores16(const float* qg, int64_t G, int64_t D, const float* const* rows, int64_t m, float sc,
+                            float* s, int64_t n, int64_t j0) {
+  const __mmask16 keep = (__mmask16)((1u << m) - 1);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qr = qg + g * D;
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(qr + d);
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[r] + d), acc[r]);
+    }
+    _mm512_mask_storeu_ps(s + g * n + j0, keep, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(sc)));
+  }
+}
+#endif
+
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                            const at::Tensor& rows, const at::Tensor& prefix, const at::Tensor& extend,
@@ -146,7 +186,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       const int32_t *slots = tb + rw[b] * L;
       const float *qg = qp + (t * Hq + hk * G) * D;
       s.resize(G * n);
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      if (D % 16 == 0)
+        for (; j < n; j += 16) {
+          const int64_t m = std::min<int64_t>(16, n - j);
+          const float* rows16[16];
+          for (int64_t r = 0; r < 16; ++r) {
+            rows16[r] = kp + ((int64_t)slots[j + (r < m ? r : 0)] * Hkv + hk) * D;
+            if (j + 16 + r < n) prefetch_row(kp + ((int64_t)slots[j + 16 + r] * Hkv + hk) * D, D);
+          }
+          scores16(qg, G, D, rows16, m, sc, s.data(), n, j);
+        }
+#endif
+      for (; j < n; ++j) {
         const float *kr = kp + ((int64_t)slots[j] * Hkv + hk) * D;
         if (j + kSlotAhead < n) prefetch_row(kp + ((int64_t)slots[j + kSlotAhead] * Hkv + hk) * D, D);
         for (int64_t g = 0; g < G; ++g) {
