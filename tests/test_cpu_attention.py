@@ -47,15 +47,22 @@ def kernel_backend():
     return backend
 
 
-@pytest.mark.parametrize("prefix_lens,extend_lens,heads,kv_heads", [
-    ([5, 0, 17, 1], [1, 1, 1, 1], 9, 3),  # decode, GQA 3:1
-    ([0, 3, 10], [7, 1, 12], 4, 4),  # mixed extends with prefixes, MHA
-    ([31], [33], 8, 2),  # one long extend
+@pytest.mark.parametrize("prefix_lens,extend_lens,heads,kv_heads,head_dim", [
+    ([5, 0, 17, 1], [1, 1, 1, 1], 9, 3, 16),  # decode, GQA 3:1
+    ([0, 3, 10], [7, 1, 12], 4, 4, 16),  # mixed extends with prefixes, MHA
+    ([31], [33], 8, 2, 16),  # one long extend
+    # the AVX-512 paths: keys in blocks of 16 with partial last blocks; values with the heads' accumulators in
+    # registers (64 dims: up to 4 heads at a time, here 3 and 4 + 2; 128 dims: 2 + 2), and 48 dims (no such path)
+    ([40, 15, 0], [1, 1, 2], 9, 3, 64),
+    ([100, 16], [1, 3], 12, 2, 64),
+    ([33], [1], 8, 2, 128),
+    ([20], [2], 4, 2, 48),
 ])
-def test_kernel_matches_gather_and_sdpa(kernel_backend, prefix_lens, extend_lens, heads, kv_heads, monkeypatch):
+def test_kernel_matches_gather_and_sdpa(kernel_backend, prefix_lens, extend_lens, heads, kv_heads, head_dim,
+                                        monkeypatch):
     monkeypatch.setattr(cpu_backend, "KERNEL_MAX_EXTEND", 64)  # the kernel runs even the extends it hands on
-    batch = batch_for(prefix_lens, extend_lens, kv_heads, 16)
-    q = torch.randn(sum(extend_lens), heads, 16, generator=torch.Generator().manual_seed(1))
+    batch = batch_for(prefix_lens, extend_lens, kv_heads, head_dim)
+    q = torch.randn(sum(extend_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
     got = attend(kernel_backend, batch, q)
     assert isinstance(batch.meta, cpu_backend._KernelArgs)  # the kernel ran, not the reference
     torch.testing.assert_close(got, attend(TorchAttention(), batch, q), atol=2e-6, rtol=1e-5)

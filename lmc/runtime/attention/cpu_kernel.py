@@ -152,6 +152,50 @@ static inline void scores16(const float* qg, int64_t G, int64_t D, const float* 
     _mm512_mask_storeu_ps(s + g * n + j0, keep, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(sc)));
   }
 }
+
+// out[h] = sum_j p[h * n + j] v_j for H query heads of a group (D = 16 DV), their H x DV accumulators held in
+// registers for the whole key loop: each V row is loaded once for the H heads, where accumulating through memory
+// loaded and stored every head's accumulators once per key. v_j is at vbase + slots[j] * stride.
+template <int DV, int H>
+static inline void weighted_values(const float* p, int64_t n, const float* vbase, const int32_t* slots,
+                                   int64_t stride, float* out) {
+  __m512 acc[H][DV];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < DV; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = vbase + (int64_t)slots[j] * stride;
+    if (j + kSlotAhead < n) prefetch_row(vbase + (int64_t)slots[j + kSlotAhead] * stride, 16 * DV);
+    __m512 v[DV];
+    for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * n + j]);
+      for (int c = 0; c < DV; ++c) acc[h][c] = _mm512_fmadd_ps(ph, v[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + (h * DV + c) * 16, acc[h][c]);
+}
+
+// weighted_values for `heads` (1 .. H) heads: the count is a template argument, so the accumulators stay in
+// registers.
+template <int DV, int H>
+static inline void weighted_values_for(int64_t heads, const float* p, int64_t n, const float* vbase,
+                                       const int32_t* slots, int64_t stride, float* out) {
+  if constexpr (H > 1) {
+    if (heads < H) return weighted_values_for<DV, H - 1>(heads, p, n, vbase, slots, stride, out);
+  }
+  weighted_values<DV, H>(p, n, vbase, slots, stride, out);
+}
+
+// All G heads of a group, at most 16 accumulators (of the 32 zmm) at a time: 4 heads of 64 dims, 2 of 128.
+template <int DV>
+static inline void weighted_values_group(const float* s, int64_t n, int64_t G, const float* vbase,
+                                         const int32_t* slots, int64_t stride, float* out) {
+  constexpr int H = 16 / DV;
+  for (int64_t g0 = 0; g0 < G; g0 += H)
+    weighted_values_for<DV, H>(std::min<int64_t>(H, G - g0), s + g0 * n, n, vbase, slots, stride,
+                               out + g0 * 16 * DV);
+}
 #endif
 
 // q [T, Hq, D], k/v [S, Hkv, D] fp32 contiguous; table [R, L] int32; rows, prefix, extend, start: int64 [B].
@@ -218,6 +262,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
+      float* og = op + (t * Hq + hk * G) * D;
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {
+        if (D == 64) weighted_values_group<4>(s.data(), n, G, vp + hk * D, slots, Hkv * D, og);
+        else weighted_values_group<8>(s.data(), n, G, vp + hk * D, slots, Hkv * D, og);
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float *vr = vp + ((int64_t)slots[j] * Hkv + hk) * D;
@@ -229,7 +281,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
         }
       }
-      std::copy(acc.begin(), acc.end(), op + (t * Hq + hk * G) * D);
+      std::copy(acc.begin(), acc.end(), og);
     }
   });
   return out;
