@@ -601,9 +601,9 @@ static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t
   panel_block<MB>(xg, k0, k1, wp, y, N, mask, full, bias, first, last, pf);
 }
 
-// x [M, K] fp32 or bf16 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N]. bf16 panels
-// take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the bias is added
-// in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
+// x [M, K] fp32 or bf16 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N] fp32.
+// bf16 panels take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the
+// bias is added in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias) {
   check_activation(x, "panel_linear");

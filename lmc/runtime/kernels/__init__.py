@@ -86,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from . import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps)
-    cpu = _cpu_ops(x, x, weight)
+    cpu = _cpu_ops(x, x, weight)  # x among the fp32 operands: the C++ rms_norm reads fp32 (the embeddings) only
     if cpu is not None:
         return cpu.rms_norm(x.contiguous(), weight, eps)
     return reference.rms_norm(x, weight, eps)
