@@ -1,9 +1,11 @@
-"""The test suite's outcome on the GPU machine, from pytest's JUnit XML -> results/h200_pytest.json: counts per
+"""The test suite's outcome on the GPU machine, from pytest's JUnit XML -> results/gpu_pytest.json: counts per
 test file and the failures and errors grouped by their first message line (numbers as N), so RESULTS.md can say what passed
 there and why the rest did not.
 
-    python benchmarks/gpu_pytest_summary.py results/h200_pytest_junit.xml --command "..." --note "..." \
-        --out results/h200_pytest.json
+    python benchmarks/gpu_pytest_summary.py gpu_pytest.xml --device "..." --command "..." --note "..." \
+        --out results/gpu_pytest.json
+
+(benchmarks/gpu_suite.sh runs the suite there and this script after it.)
 """
 from __future__ import annotations
 

@@ -314,8 +314,8 @@ def render_gpu_bench(r: dict, _dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-@section("h200_pytest*.json")  # the whole suite, and the GPU-relevant files (h200_pytest_gpu.json)
-def render_h200_pytest(r: dict, _dir: Path) -> str:
+@section("*_pytest*.json")  # the whole suite (gpu_pytest.json), and the GPU-relevant files (h200_pytest_gpu.json)
+def render_gpu_pytest(r: dict, _dir: Path) -> str:
     t = r["total"]
     rows = [[f, str(c.get("passed", 0)), str(c.get("failed", 0)), str(c.get("error", 0)), str(c.get("skipped", 0))]
             for f, c in r["files"].items()]
@@ -694,7 +694,14 @@ def _line_cpu_speed_bf16(r: dict) -> str | None:
             f"tokens/s, runs alternating: {figs}.")
 
 
-README_LINES.update({"cpu_vs_vllm.json": _line_cpu_vs_vllm, "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
+def _line_gpu_pytest(r: dict) -> str:
+    t = r["total"]
+    return (f"- The whole test suite on a lent {r['device']} (`benchmarks/gpu_suite.sh`, 8 workers on the one GPU): "
+            f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed, {t.get('error', 0)} errors, "
+            f"{t.get('skipped', 0)} skipped; RESULTS.md says which and why.")
+
+
+README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm, "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,

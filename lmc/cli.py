@@ -42,7 +42,7 @@ def _generate(args) -> int:
     from lmc.runtime import Engine, RequestError, UnknownModelError
 
     try:
-        engine = Engine(args.model, device=args.device)
+        engine = Engine(args.model, device=args.device, dtype=args.dtype)
     except UnknownModelError as e:
         print(f"lmc: {e}", file=sys.stderr)
         return 2
@@ -198,7 +198,7 @@ def _make_backend(args):
             raise UsageError(str(e)) from None
     from lmc.runtime import UnknownModelError
 
-    kwargs = {"device": args.device}
+    kwargs = {"device": args.device, "dtype": args.dtype}
     if args.max_total_tokens is not None:
         kwargs["max_total_tokens"] = args.max_total_tokens
     try:
@@ -597,6 +597,12 @@ def _tokenizer(model: str):
     return AutoTokenizer.from_pretrained(src.tokenizer_dir) if src.tokenizer_dir else None
 
 
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="of the local engine. auto: bf16 on CUDA, fp32 on the CPU; bfloat16 on a CPU with AMX or "
+                        "AVX-512 BF16 runs the linears in bf16, the rest in fp32")
+
+
 def _add_program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", metavar="prog.py[:name]",
                    help="a Python file defining @lmc.function programs; :name picks one when it defines several")
@@ -610,6 +616,7 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completion-model", action="store_true",
                    help="--backend openai: the model is a completion model (prompt text), not a chat model")
     p.add_argument("--device", default="auto", help="device of the local backend (auto, cpu, cuda)")
+    _add_dtype(p)
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache size of the local engine in tokens (default: the engine's)")
     p.add_argument("--temperature", type=float, default=None,
@@ -620,12 +627,17 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers' advice to library authors (e.g. 5.17's "Ignoring clean_up_tokenization_spaces=True" on the
+    # first decode) is nothing a user of the CLI can act on, and its stderr carries lmc's own one-line errors;
+    # TRANSFORMERS_VERBOSITY=warning brings it back
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     ap = argparse.ArgumentParser(prog="lmc", description="An optimizing compiler and runtime for LM programs")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate from one prompt with the local engine")
     g.add_argument("prompt")
     g.add_argument("--model", default="smollm2-135m-instruct")
     g.add_argument("--device", default="auto")
+    _add_dtype(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--stop", action="append")
@@ -690,9 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each call of a /v1/programs program as its own engine request (the ablation)")
     sv.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics")
     sv.add_argument("--device", default="auto")
-    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="auto: bf16 on CUDA, fp32 on the CPU; bfloat16 on a CPU with AMX or AVX-512 BF16 runs the "
-                         "linears in bf16, the rest in fp32")
+    _add_dtype(sv)
     sv.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     sv.add_argument("--max-running-requests", type=int, default=256)
     sv.add_argument("--context-length", type=int, default=None)

@@ -12,6 +12,15 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if not torch.cuda.is_available():  # CI has no GPU: Triton kernels run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # On a GPU (benchmarks/gpu_suite.sh) the suite's engines get the CPU's defaults, what the tests were written
+    # for: fp32 (on a GPU the default is bf16, whose rounding the tests' tolerances and greedy comparisons do not
+    # allow for; the GPU tests that mean bf16 say so) and the CPU's KV pool (on a GPU an engine's pool takes most
+    # of the card's free memory, so the first xdist worker's engine would leave the others none). An engine given
+    # either keeps it.
+    from lmc.runtime import engine as _engine
+
+    _engine.Engine.__init__.__kwdefaults__.update(dtype="float32", max_total_tokens=_engine._CPU_DEFAULT_TOKENS)
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-key"

@@ -17,8 +17,10 @@ LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}  # runs fo
 @pytest.fixture(scope="module")
 def stepped(tokenizer):
     """An engine whose scheduler thread is stopped, so the test drives the scheduler one step at a time and sees
-    each request in the state it aborts it from. 16-token prefill chunks, at most 3 running requests."""
-    eng = Engine(max_total_tokens=256, chunked_prefill_size=16, max_running_requests=3, start=False)
+    each request in the state it aborts it from (overlap off: a step's output is processed in that step). 16-token
+    prefill chunks, at most 3 running requests."""
+    eng = Engine(max_total_tokens=256, chunked_prefill_size=16, max_running_requests=3, start=False,
+                 overlap_schedule=False)
     yield eng
     eng.shutdown()
 

@@ -8,7 +8,8 @@ def lmc(*args):
 
 
 def test_generate_prints_text_and_json():
-    r = lmc("generate", "What is the capital of France?", "--chat", "--max-new-tokens", "12", "--json")
+    r = lmc("generate", "What is the capital of France?", "--chat", "--max-new-tokens", "12", "--json",
+            "--dtype", "float32")  # (the CPU's default; a GPU's bf16 answers otherwise)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert "Paris" in out["text"] and out["meta_info"]["completion_tokens"] <= 12

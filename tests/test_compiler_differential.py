@@ -2,7 +2,7 @@
 code on generated values) give the same variables and text compiled as interpreted, on the embedded model at
 temperature 0."""
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lmc as sgl
@@ -73,6 +73,8 @@ def backend(engine):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(plan=steps(1), question=st.sampled_from(["Is the sky blue?", "Name a color.", "What is 6 times 7?"]))
+# a select its children score, then a fork: the branches' results reached the program before the select's
+@example(plan=[("select", [" 1", " 2"]), ("fork", 1, [("gen", 1)])], question="Is the sky blue?")
 def test_compiled_equals_interpreted_on_random_programs(backend, plan, question):
     prog = build(plan)
     interpreted = prog.run(question=question, backend=backend, temperature=0)

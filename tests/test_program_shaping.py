@@ -12,7 +12,8 @@ NUMBERS = "Here is a list of numbers: " + ", ".join(str(i) for i in range(300))
 
 @pytest.fixture(scope="module")
 def stepped():
-    eng = Engine(max_total_tokens=1024, start=False, busy_prefill_tokens=64)
+    eng = Engine(max_total_tokens=1024, start=False, busy_prefill_tokens=64, overlap_schedule=False)  # (the GPU's
+    # default overlap would process each step's output in the next step)
     yield eng
     eng.shutdown()
 

@@ -391,8 +391,9 @@ def test_a_variable_streams_as_the_engine_produces_it(counted):
     assert (first["variable"], story["variable"], result["object"]) == ("first", "story", "program.instance")
     assert result["meta_info"]["story"]["completion_tokens"] == 40
     # the first variable came while the engine still decoded the 40 tokens of the second (buffered until the
-    # instance ended, it would come within a millisecond of the result)
-    assert t_end - t_first > 0.25, (t_first, t_story, t_end)
+    # instance ended, it would come within a millisecond of the result; 40 decode steps take over 0.25 s on CI's
+    # CPU and ~0.15 s on an H200)
+    assert t_end - t_first > 0.03, (t_first, t_story, t_end)
     assert t_end - t_story < t_end - t_first
 
 

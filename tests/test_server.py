@@ -371,11 +371,12 @@ def _engine_stats(http) -> dict:
 
 
 def _assert_aborted(http, before: dict, n: int) -> None:
-    """n requests were aborted since `before`, after far fewer decode steps than the 2000 they asked for."""
+    """n requests were aborted since `before`, after far fewer decode steps than the 2000 they asked for (a GPU
+    decodes a few hundred in the second a waiting client gives up after)."""
     _wait_idle(http)
     after = _engine_stats(http)
     assert after["aborted"] == before["aborted"] + n
-    assert after["decode_forwards"] - before["decode_forwards"] < 200
+    assert after["decode_forwards"] - before["decode_forwards"] < 1000
 
 
 def test_client_disconnect_aborts_its_requests(server, http):

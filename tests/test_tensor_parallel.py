@@ -22,6 +22,12 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 KW = dict(max_total_tokens=4096, max_running_requests=8)
 
 
+def ranks(n: int):
+    """A test of an n-rank engine: on the CPU (CI) the ranks are processes; on a GPU machine each takes a GPU."""
+    short = torch.cuda.is_available() and torch.cuda.device_count() < n
+    return pytest.mark.skipif(short, reason=f"{n} ranks need {n} GPUs on a GPU machine")
+
+
 class LogitsRecorder:
     """Wraps a runner's real forward and keeps a copy of the logits of every step (the engine's own path runs)."""
 
@@ -71,12 +77,14 @@ def tp1_and_tp2(engine):
     return results
 
 
+@ranks(2)
 def test_tp2_greedy_tokens_identical_to_tp1(tp1_and_tp2):
     (one, _), (two, _) = tp1_and_tp2[1], tp1_and_tp2[2]
     assert [r["output_ids"] for r in two] == [r["output_ids"] for r in one]
     assert all(len(r["output_ids"]) == GREEDY["max_new_tokens"] for r in one)
 
 
+@ranks(2)
 def test_tp2_logits_within_1e5_relative_of_tp1(tp1_and_tp2):
     (_, l1), (_, l2) = tp1_and_tp2[1], tp1_and_tp2[2]
     assert len(l1) == len(l2) and len(l1) >= GREEDY["max_new_tokens"]  # one prefill and the decodes, each
@@ -89,6 +97,7 @@ def test_tp2_logits_within_1e5_relative_of_tp1(tp1_and_tp2):
         assert worst <= 1e-5 * scale, (worst, scale)
 
 
+@ranks(2)
 def test_tp2_with_overlap_matches_tp1_without():
     """Overlap scheduling under TP=2 (rank 0's broadcasts and forwards on the CPU worker thread): the workers read
     the ids rank 0 sampled from its token buffer. Dummy weights, so that the sampled ids spread over the whole
@@ -111,6 +120,7 @@ def test_tp2_with_overlap_matches_tp1_without():
     assert not _children()
 
 
+@ranks(2)
 def test_no_worker_left_after_shutdown(tp1_and_tp2):
     assert not _children()
 
@@ -144,6 +154,7 @@ def test_more_ranks_than_gpus_is_refused():
 
 
 @pytest.mark.slow
+@ranks(4)
 def test_tp4_replicates_kv_heads_and_matches_tp1(tp1_and_tp2):
     """4 ranks over 3 KV heads: KV head 0 is on ranks 0 and 1, which split its 3 query heads 2 + 1."""
     eng = Engine(MODEL, tensor_parallel_size=4, **KW)
@@ -155,6 +166,7 @@ def test_tp4_replicates_kv_heads_and_matches_tp1(tp1_and_tp2):
     assert not _children()
 
 
+@ranks(2)
 def test_dead_worker_fails_pending_requests_and_leaves_no_process():
     """Also: dummy weights drawn sharded are the unsharded model's (the same greedy tokens and logprobs)."""
     ids = [[1, 5, 7, 9, 11, 300], [2, 3, 4]]

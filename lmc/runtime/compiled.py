@@ -188,6 +188,14 @@ class _LayerVariants:
         return fn(*args)
 
 
+def unsupported() -> str | None:
+    """Why this torch cannot compile the layers as saved artifacts (None: it can). Saving needs
+    `torch.compile(...).aot_compile`, which older torch releases lack (2.11 has none)."""
+    if not hasattr(torch.compile(_decoder_layer), "aot_compile"):
+        return f"torch {torch.__version__} has no torch.compile(...).aot_compile to save compiled layers with"
+    return None
+
+
 class CompiledForward:
     """Calls `model(input_ids, ctx)` with its decoder layers compiled (see the module docstring); on any
     compilation error, warns and runs eagerly."""
@@ -205,15 +213,21 @@ class CompiledForward:
         for layer in model.layers:  # an instance attribute: nn.Module.__call__ runs it instead of the class's
             layer.forward = self._layer_forward(layer)
         self.failed: str | None = None
+        if (why := unsupported()) is not None:
+            self._fall_back(why)
 
     def _layer_forward(self, layer):
         def forward(h, residual, ctx):
             return self.layers(layer, h, residual, ctx)
         return forward
 
-    def _run_eagerly(self) -> None:
+    def _fall_back(self, why: str) -> None:
+        """Run eagerly from now on, saying why once."""
+        self.failed = why
         for layer in self.model.layers:
             layer.__dict__.pop("forward", None)
+        warnings.warn(f"torch.compile of the model failed ({why[:500]}); running it eagerly", RuntimeWarning,
+                      stacklevel=3)
 
     def __call__(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         if self.failed is None:
@@ -221,10 +235,7 @@ class CompiledForward:
             try:
                 return self.model(input_ids, ctx)
             except Exception as e:  # compile-time or backend failure: keep serving, eagerly
-                self.failed = f"{type(e).__name__}: {e}"
-                self._run_eagerly()
-                warnings.warn(f"torch.compile of the model failed ({self.failed[:500]}); running it eagerly",
-                              RuntimeWarning, stacklevel=2)
+                self._fall_back(f"{type(e).__name__}: {e}")
             finally:
                 _batch.ctx = None
         return self.model(input_ids, ctx)

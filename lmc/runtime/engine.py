@@ -682,6 +682,10 @@ class _Segments:
         self.push = push
 
     def __call__(self, r: Req) -> None:
+        if r.fork_parent is not None:
+            # the parent's calls before the fork first: a select the parent scored by child requests ended in
+            # the branches' spawning step without delivering the parent (it waits in `forking`, not `out`)
+            self(r.fork_parent)
         chain = r.chain
         while chain.emitted < len(chain.segments):
             seg = chain.segments[chain.emitted]

@@ -94,7 +94,7 @@ def resolve(model: str) -> ModelSource:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(tok_dir)
-            config.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+            config.update(vocab_size=len(tok), **_special_ids(tok_dir, tok))
         return ModelSource(model, LlamaConfig(**config), None, tok_dir)
     if model in EMBEDDED:
         return _from_dir(model, _embedded_dir(model))
@@ -118,6 +118,15 @@ def _tokenizer_dir(spec: str) -> str:
     if src.tokenizer_dir is None:
         raise UnknownModelError(f"{spec!r} has no tokenizer to lend a dummy model")
     return src.tokenizer_dir
+
+
+def _special_ids(tok_dir: str, tok) -> dict:
+    """The bos/eos ids a borrowed tokenizer lends: its model's config.json where the directory has one (a tokenizer
+    converted from a GGUF may name other special tokens: transformers 5.17's gives SmolLM2 `<|im_start|>` as eos),
+    else the tokenizer's own."""
+    path = Path(tok_dir) / "config.json"
+    model = json.loads(path.read_text()) if path.exists() else {}
+    return {k: model[k] if model.get(k) is not None else getattr(tok, k) for k in ("bos_token_id", "eos_token_id")}
 
 
 def _from_dir(name: str, path: Path) -> ModelSource:
