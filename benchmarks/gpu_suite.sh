@@ -22,8 +22,13 @@ export PYTHONPATH="$site:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "from lmc.runtime.model.loader import resolve; print(resolve('smollm2-135m-instruct').name)" || exit 1
 workers=${GPU_SUITE_WORKERS:-8}
+drift=()  # GPU_SUITE_DRIFT=1: tests/engine_drift.py logs the session engine's greedy output after each test
+if [ -n "${GPU_SUITE_DRIFT:-}" ]; then
+    drift=(-p engine_drift)
+    export PYTHONPATH="$PYTHONPATH:$PWD/tests" LMC_DRIFT_LOG="$out/engine_drift.log"
+fi
 cmd=(python3 -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile -rfEs --durations=20
-     --junitxml="$out/gpu_pytest.xml" "$@")
+     --junitxml="$out/gpu_pytest.xml" "${drift[@]}" "$@")
 timeout -s INT "${GPU_SUITE_SECONDS:-530}" "${cmd[@]}" 2>&1 | tee "$out/gpu_pytest.log"
 python3 benchmarks/gpu_pytest_summary.py "$out/gpu_pytest.xml" --out "$out/gpu_pytest.json" \
     --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
