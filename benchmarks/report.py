@@ -701,7 +701,8 @@ def _line_gpu_pytest(r: dict) -> str:
             f"{t.get('skipped', 0)} skipped; RESULTS.md says which and why.")
 
 
-README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm, "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
+README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm,
+                     "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,

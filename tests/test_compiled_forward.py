@@ -9,7 +9,8 @@ from lmc.runtime.compiled import unsupported
 from lmc.runtime.model.linear import Linear
 
 # The CPU's compiled forward (on a GPU, decode steps replay CUDA graphs instead), on a torch that can save it.
-pytestmark = pytest.mark.skipif(unsupported() is not None, reason=str(unsupported()))
+_WHY_NOT = unsupported()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 @torch.no_grad()

@@ -490,7 +490,8 @@ def test_lmc_compile_prints_a_graph_without_torch_or_transformers():
     code = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
             "from lmc.cli import main; sys.exit(main(['compile', 'examples/judge.py']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+                         env={**os.environ,
+                              "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("program judge(question, answer) {") and "# fallback: false" in out.stdout
     assert "no tokenizer" in out.stdout  # the cost model says why it has no token counts
