@@ -236,13 +236,29 @@ ARGS = {"few_shot_qa": {"question": "What is the capital of Italy?"},
         "calculator_agent": {"question": "What is 12 times 7, plus 5?"}, "counted_list": {"topic": "fruits"}}
 
 
+def _same_values(a, b, tol: float) -> bool:
+    """a == b, with floats within `tol` of each other."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_values(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_values(a[k], b[k], tol) for k in a)
+    return a == b
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_compiled_equals_interpreted(engine, name):
     backend = sgl.Local(engine=engine)
     prog = load_example(name)
     interpreted = prog.run(backend=backend, temperature=0, **ARGS[name])
     compiled = prog.compile().run(backend=backend, temperature=0, **ARGS[name])
-    assert compiled.variables() == interpreted.variables()
+    # Exact on the CPU. On a GPU, fp32 GEMMs are not batch-invariant (cuBLAS picks kernels by shape) and the two
+    # modes batch a select's scoring differently: a score the program rounds to 3 decimals may move by one unit
+    # (tree_of_thought's 0.321 against 0.32 on the H100). Tokens and texts must still agree exactly.
+    tol = 1.001e-3 if engine.runner.device.type == "cuda" else 0.0
+    assert _same_values(compiled.variables(), interpreted.variables(), tol), \
+        (compiled.variables(), interpreted.variables())
     assert compiled.text() == interpreted.text()
 
 

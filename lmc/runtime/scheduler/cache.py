@@ -23,7 +23,12 @@ so the later write wins.
 
 The slot table exists twice. `table` here is the scheduler's host copy, the only one the scheduler reads. The
 runner's device copy receives every write: the slots of a batch's new tokens travel with that batch, and the
-other writes (a request adopting cached slots for its prefix) wait in `pending` and go with the next batch.
+other writes (a request adopting cached slots for its prefix) are recorded in `pending` as the range of each row
+they touched and go with the next batch, with the host's values of that moment (take_pending): one write per
+row, so a row written twice before a batch (adopted twice, or by a released request and then by the row's next
+owner) reaches the device with its latest slots. (A CUDA index_put with duplicate indices keeps an arbitrary one
+of the values: the stale slots of a row's previous owner won on the GPU and the next request attended to another
+request's KV.)
 
 Retention by the plan (issue 14): `programs` is the ProgramLedger of the instances whose requests carry hints. A
 finished hinted request's prefix node is tagged with its next use, and while the program policy schedules
@@ -65,7 +70,7 @@ class CacheManager:
         self.rows = RowAllocator(num_rows)
         self.slots = SlotAllocator(num_slots)
         self.tree = RadixCache(self.slots.free, disabled=disabled)
-        self.pending: list[tuple[int, int, torch.Tensor]] = []
+        self.pending: dict[int, tuple[int, int]] = {}  # row -> [lo, hi): its positions written since the last batch
         self.stats = stats if stats is not None else {"cache_seconds": 0.0}  # time spent in tree operations
         self.programs = ProgramLedger()
         self.blocks: set[SharedBlock] = set()
@@ -76,8 +81,17 @@ class CacheManager:
         return self.slots.available + self.tree.evictable_size
 
     def take_pending(self) -> list[tuple[int, int, torch.Tensor]]:
-        out, self.pending = self.pending, []
+        """The device table's writes for the next batch: (row, start, slots), one per row written since the last
+        batch, its range the union of what was written there (gaps included: the host copy is right everywhere)."""
+        out = [(row, lo, self.table[row, lo:hi].long()) for row, (lo, hi) in self.pending.items()]
+        self.pending = {}
         return out
+
+    def _written(self, row: int, lo: int, hi: int) -> None:
+        """Host table row `row`, positions [lo, hi), changed outside a batch's new tokens: pending for the device."""
+        if hi > lo:
+            a, b = self.pending.get(row, (lo, hi))
+            self.pending[row] = (min(a, lo), max(b, hi))
 
     # ---- admission ---------------------------------------------------------------------------------------------
     def match(self, key) -> tuple[torch.Tensor, object]:
@@ -96,7 +110,7 @@ class CacheManager:
         p = len(r.prefix_slots)
         if p:
             self.table[row, :p] = r.prefix_slots.to(torch.int32)
-            self.pending.append((row, 0, r.prefix_slots))
+            self._written(row, 0, p)
         r.row, r.last_node = row, r.match_node
         r.cache_protected_len = r.kv_done = r.kv_len = p
         return True
@@ -128,7 +142,7 @@ class CacheManager:
         lo = r.kv_len
         slots = b.slots[lo - b.start:upto - b.start]
         self.table[r.row, lo:upto] = slots.to(torch.int32)
-        self.pending.append((r.row, lo, slots))
+        self._written(r.row, lo, upto)
         r.block, r.block_end, r.kv_len = b, upto, upto
         b.holders += 1
 
@@ -240,6 +254,7 @@ class CacheManager:
             self.tree.unlock(r.last_node)
             self._retain(r, done)
         self._leave(r)
+        self.pending.pop(r.row, None)  # nothing reads the row before its next owner writes it
         self.rows.free(r.row)
         r.row, r.kv_len, r.kv_done, r.cache_protected_len, r.last_node = -1, 0, 0, 0, None
         self.stats["cache_seconds"] += time.perf_counter() - t0
@@ -271,7 +286,7 @@ class CacheManager:
             self.slots.free(slots[own_from(r):already])
             adopted = canonical[protected:already]
             self.table[r.row, protected:already] = adopted.to(torch.int32)
-            self.pending.append((r.row, protected, adopted))
+            self._written(r.row, protected, already)
         self.tree.lock(node)
         self.tree.unlock(r.last_node)
         r.last_node, r.cache_protected_len = node, done
@@ -291,7 +306,7 @@ class CacheManager:
             return r.kv_len
         self.slots.free(self.table[r.row, own_from(r):r.kv_len].long())
         self.table[r.row, :n] = slots.to(torch.int32)
-        self.pending.append((r.row, 0, slots))
+        self._written(r.row, 0, n)
         self.tree.lock(node)
         self.tree.unlock(r.last_node)
         r.last_node, r.cache_protected_len, r.kv_len, r.kv_done = node, n, n, n
