@@ -1,7 +1,8 @@
 """A/B of decode-step variants on the GPU, in one engine per shape (dummy weights, bf16): programmatic dependent
 launch of the Triton kernels (kernels/launch.py) on, off and in CUDA graphs only, decode stage 1's key tile when few programs run
 (attention/triton_kernels._decode_block_n: 128 keys for bf16 D=128, against 64), and the MLP's SiLU-mul in the
-gate_up GEMM's epilogue against its own kernel (kernels.FUSE_SILU_MUL).
+gate_up GEMM's epilogue against its own kernel (kernels.FUSE_SILU_MUL), and RoPE with the KV write in the QKV GEMM's
+epilogue against its own kernel (kernels.FUSE_ROPE).
 
 Each variant gets its own CUDA graphs (captured with its switches set); the variants then alternate, `--rounds`
 times: the decode graph of each bucket replayed alone (ms, CUDA events), wall ms per decode step as gpu_bench
@@ -32,13 +33,15 @@ from lmc.runtime.attention import triton_kernels  # noqa: E402
 from lmc.runtime.kernels import launch  # noqa: E402
 
 _BLOCK_N = triton_kernels._decode_block_n
-# name -> (launch.MODE, stage 1's key tile for few programs: None = _decode_block_n's, kernels.FUSE_SILU_MUL)
-VARIANTS = {"base": ("off", None, True), "pdl": ("on", None, True), "pdl_graphs": ("graphs", None, True),
-            "pdl_bn64": ("on", 64, True), "pdl_silu_apart": ("on", None, False)}
+# name -> (launch.MODE, stage 1's key tile for few programs: None = _decode_block_n's, kernels.FUSE_SILU_MUL,
+# kernels.FUSE_ROPE)
+VARIANTS = {"base": ("off", None, True, True), "pdl": ("on", None, True, True),
+            "pdl_graphs": ("graphs", None, True, True), "pdl_bn64": ("on", 64, True, True),
+            "pdl_silu_apart": ("on", None, False, True), "pdl_rope_apart": ("on", None, True, False)}
 
 
 def set_variant(name: str) -> None:
-    launch.MODE, block_n, kernels.FUSE_SILU_MUL = VARIANTS[name]
+    launch.MODE, block_n, kernels.FUSE_SILU_MUL, kernels.FUSE_ROPE = VARIANTS[name]
     triton_kernels._decode_block_n = _BLOCK_N if block_n is None else (lambda row_bytes, n=block_n: n)
 
 
@@ -142,7 +145,8 @@ def main():
     else:
         dev, dtype, shapes = torch.device("cuda"), "bfloat16", args.shapes.split(",")
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "variants": {k: dict(zip(("pdl_mode", "stage1_block_n_few_programs", "fuse_silu_mul"), v)) for k, v in VARIANTS.items()},
+           "variants": {k: dict(zip(("pdl_mode", "stage1_block_n_few_programs", "fuse_silu_mul", "fuse_rope"), v))
+                        for k, v in VARIANTS.items()},
            "shapes": {}}
     prov = provenance("benchmarks/gpu_step_ab.py", "probe: the decode step's launch variants, alternating")
 

@@ -1,6 +1,7 @@
-"""The decode GEMM (lmc/runtime/kernels/skinny_gemm.py) against float64 products, and kernels.linear's
-dispatch. Under Triton's interpreter on a machine without a GPU (fp32 and fp16: the
-interpreter's bf16 tl.dot is broken), compiled in bf16 at the models' shapes on a GPU."""
+"""The decode GEMM (lmc/runtime/kernels/skinny_gemm.py) against float64 products, its epilogues (SiLU-mul; RoPE
+and the KV write) against the kernels they replace, and kernels.linear's dispatch. Under Triton's interpreter on a
+machine without a GPU (fp32 and fp16: the interpreter's bf16 tl.dot is broken), compiled in bf16 at the models'
+shapes on a GPU."""
 from triton_device import kernel_device  # noqa: F401  (first: sets TRITON_INTERPRET where there is no GPU)
 
 import pytest
@@ -64,6 +65,56 @@ def test_gated_product_is_silu_mul_of_the_float64_product(dtype, tol, m, inter, 
     assert rel(y, want) < tol
 
 
+def _rope_case(m, hq, hkv, hd, k, dtype, dev, seed):
+    """x, the fused QKV weight, cos/sin at random positions, distinct slots and two empty caches."""
+    x, w = rand(m, k, dtype=dtype, dev=dev, seed=seed) * 0.3, rand((hq + 2 * hkv) * hd, k, dtype=dtype, dev=dev,
+                                                                  seed=seed + 1) * 0.1
+    angle = torch.rand(m, hd // 2, generator=torch.Generator().manual_seed(seed)) * 100
+    emb = torch.cat([angle, angle], -1)
+    slots = torch.randperm(4 * m + 8, generator=torch.Generator().manual_seed(seed))[:m].to(dev)
+    cache = torch.zeros(4 * m + 8, hkv, hd, dtype=dtype, device=dev)
+    return x, w, emb.cos().to(dev, dtype), emb.sin().to(dev, dtype), slots, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,hq,hkv,hd,config", [(1, 4, 2, 64, (32, 32, 4, 2)), (5, 2, 1, 64, (64, 64, 4, 3)),
+                                                (17, 4, 4, 32, (32, 32, 4, 2)), (3, 8, 2, 128, (32, 128, 4, 2))])
+def test_rope_epilogue_equals_the_gemm_then_rope_q_write_kv(dtype, m, hq, hkv, hd, config):
+    """The QKV GEMM with RoPE and the KV write in its epilogue gives what the plain product and
+    triton_ops.rope_q_write_kv give, bit for bit (it rounds where they round): q, and k and v at the tokens' slots
+    only. Tiles of two 16- and 32-row halves, one or several programs per half head, GQA and MHA, M past a tile."""
+    from lmc.runtime.kernels import triton_ops
+
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    x, w, cos, sin, slots, cache = _rope_case(m, hq, hkv, hd, 96, dtype, dev, seed=m)
+    kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
+    q = sg.skinny_gemm_rope(x, w, config, cos, sin, hq, hkv, hd, kc, vc, slots)
+    want = triton_ops.rope_q_write_kv(sg.skinny_gemm(x, w, config), cos, sin, hq, hkv, hd, kc2, vc2, slots)
+    assert q.shape == (m, hq, hd) and kc[slots].abs().sum() > 0 and torch.equal(vc, vc2)
+    if dev.type == "cpu":  # the interpreter: bit for bit
+        assert torch.equal(q, want) and torch.equal(kc, kc2)
+    else:  # compiled, fp32 and fp16 round trips may contract into FMAs differently in the two kernels: an ulp
+        eps = torch.finfo(dtype).eps  # (bf16, what the GPU runs, is bit for bit: the test at real shapes below)
+        torch.testing.assert_close(q, want, rtol=2 * eps, atol=0)
+        torch.testing.assert_close(kc, kc2, rtol=2 * eps, atol=0)
+
+
+def test_rope_epilogue_takes_only_tiles_within_half_a_head():
+    assert sg.rope_tile_fits((32, 128, 4, 4), 128) and sg.rope_tile_fits((64, 512, 4, 3), 128)
+    assert not sg.rope_tile_fits((32, 128, 4, 4, 2), 128)  # split K: no epilogue
+    assert not sg.rope_tile_fits((256, 64, 4, 3), 128) and not sg.rope_tile_fits((64, 64, 4, 3), 48)
+    # the decode table's QKV tiles of both models take it, where it measured faster: llama-2-7b up to batch 8
+    assert sg.rope_config_for(8, 12288, 4096, 128) == sg.config_for(8, 12288, 4096)
+    assert sg.rope_config_for(9, 12288, 4096, 128) is None and sg.rope_config_for(16, 6144, 4096, 128) is not None
+    assert sg.rope_config_for(1, 12288, 4096, 40) is None  # half a head of 20 rows: 16-row halves do not fit it
+    dev = kernel_device(sg._skinny_gemm_kernel)
+    x, w, cos, sin, slots, cache = _rope_case(2, 2, 1, 64, 32, torch.float32, dev, seed=0)
+    with pytest.raises(ValueError, match="fits the heads"):
+        sg.skinny_gemm_rope(x, w[:-1], (32, 32, 4, 2), cos, sin, 2, 1, 64, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="k/v caches"):
+        sg.skinny_gemm_rope(x, w, (32, 32, 4, 2), cos, sin, 2, 1, 64, cache[:, :, :32], cache.clone(), slots)
+
+
 def test_skinny_gemm_rejects_what_it_cannot_serve():
     dev = kernel_device(sg._skinny_gemm_kernel)
     w = torch.zeros(8, 32, device=dev)
@@ -91,6 +142,11 @@ def test_linear_falls_back_to_f_linear_off_the_gpu():
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(kernels.linear(x, w), F.linear(x, w))
     assert torch.equal(kernels.linear_silu_mul(x, w), kernels.silu_mul(F.linear(x, w)))
+    x, w, cos, sin, slots, cache = _rope_case(3, 2, 1, 64, 16, torch.float32, torch.device("cpu"), seed=3)
+    kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
+    q = kernels.linear_rope_q_write_kv(x, w, cos, sin, 2, 1, 64, kc, vc, slots)
+    want = kernels.rope_q_write_kv(F.linear(x, w), cos, sin, 2, 1, 64, kc2, vc2, slots)
+    assert torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
@@ -132,6 +188,27 @@ def test_gated_product_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
     assert rel(fused, apart) < 4e-3 and rel(fused, want) < 1e-2
     monkeypatch.setattr(kernels, "FUSE_SILU_MUL", True)
     assert torch.equal(kernels.linear_silu_mul(x, w), fused if sg.config_for(m, 2 * inter, d, gated=True) else apart)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
+@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_rope_epilogue_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
+    """The QKV GEMM with RoPE and the KV write in its epilogue, compiled at the models' shapes in bf16 with the
+    table's tile: bit for bit the plain product and rope_q_write_kv (what kernels.linear_rope_q_write_kv runs with
+    FUSE_ROPE off)."""
+    from lmc.runtime.model.loader import DUMMY_SHAPES
+
+    c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
+    hq, hkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]
+    hd = d // hq
+    x, w, cos, sin, slots, cache = _rope_case(m, hq, hkv, hd, d, dt, dev, seed=20 + m)
+    kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
+    assert sg.rope_config_for(m, w.shape[0], d, hd) is not None
+    q = kernels.linear_rope_q_write_kv(x, w, cos, sin, hq, hkv, hd, kc, vc, slots)
+    monkeypatch.setattr(kernels, "FUSE_ROPE", False)
+    want = kernels.linear_rope_q_write_kv(x, w, cos, sin, hq, hkv, hd, kc2, vc2, slots)
+    assert torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -1,7 +1,8 @@
 """Fused elementwise kernels of the decoder layer: RMSNorm with the residual add, SiLU-mul, rotary embedding of q
 and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
 pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny GEMM for the shapes where it measured
-faster than cuBLAS, skinny_gemm.py).
+faster than cuBLAS, skinny_gemm.py), with the MLP's SiLU-mul or the QKV projection's RoPE and KV write in its
+epilogue where it serves the shape (linear_silu_mul, linear_rope_q_write_kv).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors, the C++ kernel
 (attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for CPU tensors in eager mode (fp32,
@@ -46,9 +47,10 @@ def _cpu_ops(x: torch.Tensor, *fp32: torch.Tensor):
 
 
 def fuses_kv_write(x: torch.Tensor) -> bool:
-    """Whether the caller hands RoPE and the KV write for qkv `x` to rope_q_write_kv (one kernel, where the cache is
-    fp32 on the CPU), or keeps them apart, as the compiled CPU forward does so that the write stays outside
-    torch.compile's graphs."""
+    """Whether the caller hands RoPE and the KV write of the QKV projection of `x` (its input or its output: both
+    are fp32 or bf16 activations alike) to rope_q_write_kv (one kernel, where the cache is fp32 on the CPU; with the
+    GEMM in it on CUDA, linear_rope_q_write_kv), or keeps them apart, as the compiled CPU forward does so that the
+    write stays outside torch.compile's graphs."""
     return _fused(x) or _cpu_ops(x) is not None
 
 
@@ -78,6 +80,27 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if cfg is not None:
             return skinny_gemm.skinny_gemm(x, weight, cfg, gated=True)
     return silu_mul(linear(x, weight))
+
+
+# Whether linear_rope_q_write_kv fuses RoPE and the KV write into the skinny GEMM (an A/B switch, as FUSE_SILU_MUL).
+FUSE_ROPE = True
+
+
+def linear_rope_q_write_kv(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           num_q_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rope_q_write_kv(linear(x, weight), ...) for the fused QKV weight: one kernel on CUDA where the skinny GEMM
+    with its RoPE epilogue (q and k rotated, k and v written into the cache) measured faster
+    (skinny_gemm.rope_config_for), else the two."""
+    if FUSE_ROPE and _fused(x):
+        from . import skinny_gemm
+
+        cfg = skinny_gemm.rope_config_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], head_dim)
+        if cfg is not None:
+            return skinny_gemm.skinny_gemm_rope(x, weight, cfg, cos, sin, num_q_heads, num_kv_heads, head_dim,
+                                                k_cache, v_cache, slots)
+    return rope_q_write_kv(linear(x, weight), cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                           slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,6 +17,11 @@ per shape (GATED_CONFIGS): llama-3-8b's gate_up gains 1.3-2.8% of a decode step 
 slower gated than as two launches at every batch size, so it keeps them (h200_probe/gemm_sweep_gated.json; an
 earlier try with gate and up as two half-width tiles and two dots was slower still, h200_probe/step_ab3).
 
+RoPE (`skinny_gemm_rope`, the QKV projection of a decode step): the tile's two halves are the same rows of a head's
+two halves, which rotate-half RoPE mixes, so the epilogue rotates q and k and writes q, and k and v straight into
+the KV cache at the tokens' slots: triton_ops.rope_q_write_kv's launch saved, with its roundings (ROPE_MAX_M: where
+it measured faster).
+
 Invariants: x and W have unit stride in K; y is a fresh contiguous [M, N] in x's dtype; accumulation in fp32 (the
 rounding differs from cuBLAS's by the summation order only). M is at most MAX_M; larger batches are not skinny
 and stay on cuBLAS (kernels.linear decides, from CONFIGS: only the shapes where this kernel measured faster).
@@ -28,23 +33,29 @@ import triton
 import triton.language as tl
 
 from .launch import grid_dependency, pdl_args
-from .triton_ops import _round, _silu_times
+from .triton_ops import _rotate, _round, _silu_times
 
 MAX_M = 64
 
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+                        COS, SIN, stride_cs, KC, VC, SLOTS, HQ, HKV,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-                        BF16: tl.constexpr = False):
+                        BF16: tl.constexpr = False, ROPE: tl.constexpr = 0):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
     Y and sets the counter back to 0 for the next launch (C is zero between launches: no memset, graph-safe).
     GATED (SPLIT_K 1): N is the output width I, W has 2I rows; the tile's rows j < BLOCK_N / 2 are gate row
     pid_n BLOCK_N / 2 + j, the others the up rows of the same outputs, and Y gets silu(gate) * up, rounded where
-    the unfused product and silu_mul round (BF16: to bf16 in integer arithmetic, as triton_ops._round)."""
+    the unfused product and silu_mul round (BF16: to bf16 in integer arithmetic, as triton_ops._round).
+    ROPE = D > 0 (SPLIT_K 1): W is the fused QKV weight, HQ q heads then HKV k and HKV v heads of D rows; the tile's
+    rows j < BLOCK_N / 2 are one head's rows c0 + j of its first half, the others the same rows of its second half
+    (the pairs rotate-half RoPE mixes); the epilogue rounds the product as the unfused GEMM stores it, rotates q and
+    k rows by COS / SIN ([M, D] rows at stride_cs, the tokens' positions) as triton_ops.rope_q_write_kv does, and
+    stores q into Y ([M, HQ D]) and k, v into the layer's caches KC, VC ([slots, HKV, D]) at SLOTS[m]."""
     grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -58,6 +69,14 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
         out_col = pid_n * HALF + j % HALF  # the output column the row serves
         n_mask = out_col < N
         offs_n = out_col + (j >= HALF).to(tl.int32) * N  # gate rows, then the up rows I further down
+    elif ROPE:
+        HALF: tl.constexpr = BLOCK_N // 2
+        PER_HEAD: tl.constexpr = ROPE // 2 // HALF  # programs per head
+        head = pid_n // PER_HEAD
+        c0 = (pid_n % PER_HEAD) * HALF  # the first of the tile's rows within each half of the head
+        j = tl.arange(0, BLOCK_N)
+        offs_n = head * ROPE + c0 + j % HALF + (j >= HALF).to(tl.int32) * (ROPE // 2)
+        n_mask = offs_n < N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -89,6 +108,33 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
         cols = pid_n * HALF + tl.arange(0, HALF)
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], h,
                  mask=m_mask[:, None] & (cols < N)[None, :])
+    elif ROPE:
+        ty = Y.dtype.element_ty
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        lo = _round(lo, ty, BF16)  # the product as the unfused GEMM stores it
+        hi = _round(hi, ty, BF16)
+        d = c0 + tl.arange(0, HALF)[None, :]
+        m64 = offs_m.to(tl.int64)[:, None]
+        mask = m_mask[:, None]
+        if head < HQ + HKV:  # q and k rotate, v does not
+            cs = m64 * stride_cs + d
+            lo, hi = _rotate(lo.to(tl.float32), hi.to(tl.float32),
+                             tl.load(COS + cs, mask=mask, other=0.0).to(tl.float32),
+                             tl.load(COS + cs + ROPE // 2, mask=mask, other=0.0).to(tl.float32),
+                             tl.load(SIN + cs, mask=mask, other=0.0).to(tl.float32),
+                             tl.load(SIN + cs + ROPE // 2, mask=mask, other=0.0).to(tl.float32), ty, BF16)
+        if head < HQ:
+            dst = Y + m64 * stride_ym + head * ROPE + d
+        else:
+            kv_head = (head - HQ) % HKV
+            if head < HQ + HKV:
+                cache = KC
+            else:
+                cache = VC
+            dst = cache + (tl.load(SLOTS + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None] * HKV
+                           + kv_head) * ROPE + d
+        tl.store(dst, lo, mask=mask)
+        tl.store(dst + ROPE // 2, hi, mask=mask)
     elif SPLIT_K == 1:
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])
@@ -174,35 +220,98 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated
     K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns).
     gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) [..., I]; `config` as
     for the plain product, its BLOCK_N the weight rows a program reads (BLOCK_N / 2 outputs), and no split K."""
-    k = w.shape[1]
-    x2 = x.reshape(-1, x.shape[-1])
-    m, n = x2.shape[0], w.shape[0]
+    x2, (m, n, k) = _operands(x, w)
     if gated:
         if n % 2 or config[4:] not in ((), (1,)) or config[0] < 32:
             raise ValueError(f"a gated skinny_gemm needs w [2I, K], BLOCK_N >= 32 and no split K, got "
                              f"{tuple(w.shape)} and {config}")
         n //= 2
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _launch(x2, w, y, config, n, GATED=gated)
+    return y.view(*x.shape[:-1], n)
+
+
+# (N, K) of a fused QKV weight -> the largest M whose decode step ran faster with RoPE and the KV write in the
+# GEMM's epilogue than with rope_q_write_kv as its own kernel (`benchmarks/gpu_step_ab.py --variants
+# pdl,pdl_rope_apart --batches 1,8,16`, H200, results/h200_probe/step_ab9_rope_epilogue.json; graph replay ms, fused
+# / apart): llama-2-7b 3.874 / 3.900 at batch 1, 4.232 / 4.389 at 8, but 4.822 / 4.701 at 16; llama-3-8b 4.335 /
+# 4.390, 4.581 / 4.611, 4.778 / 4.828. Elsewhere the two kernels run.
+ROPE_MAX_M: dict[tuple[int, int], int] = {(12288, 4096): 8, (6144, 4096): 16}
+
+
+def rope_config_for(m: int, n: int, k: int, head_dim: int) -> tuple[int, ...] | None:
+    """The plain table's tile for the QKV product where skinny_gemm_rope measured faster and the tile fits the
+    heads, else None."""
+    cfg = config_for(m, n, k)
+    if cfg is None or m > ROPE_MAX_M.get((n, k), 0) or not rope_tile_fits(cfg, head_dim):
+        return None
+    return cfg
+
+
+def rope_tile_fits(config: tuple[int, ...], head_dim: int) -> bool:
+    """Whether `config`'s tile can carry skinny_gemm_rope's epilogue for heads of `head_dim`: no split K, and each
+    half of the tile's rows within one half of a head."""
+    half = config[0] // 2
+    return config[4:] in ((), (1,)) and half >= 16 and head_dim % 2 == 0 and (head_dim // 2) % half == 0
+
+
+@torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
+def skinny_gemm_rope(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], cos: torch.Tensor,
+                     sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """triton_ops.rope_q_write_kv(x @ w^T, ...) in one kernel: w is the fused QKV weight [(Hq + 2 Hkv) D, K]; q
+    [M, Hq, D] is returned and the rotated k and the v of each token written into one layer's caches
+    ([num_slots, Hkv, D]) at its slot, with the unfused ops' roundings. `config`: a plain tile that
+    rope_tile_fits."""
+    x2, (m, n, k) = _operands(x, w)
+    if n != (num_q_heads + 2 * num_kv_heads) * head_dim or not rope_tile_fits(config, head_dim):
+        want = (num_q_heads + 2 * num_kv_heads) * head_dim
+        raise ValueError(f"skinny_gemm_rope needs w [(Hq + 2 Hkv) D, K] = [{want}, K] and a tile that fits the "
+                         f"heads, got {tuple(w.shape)} and {config}")
+    if cos.shape != (m, head_dim) or sin.stride() != cos.stride() or cos.stride(1) != 1:
+        raise ValueError("cos/sin must be [M, head_dim] with the same strides")
+    if (k_cache.shape[1:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != x.dtype
+            or slots.shape != (m,)):
+        raise ValueError("k/v caches must be contiguous [num_slots, Hkv, D] of x's dtype, and slots [M]")
+    q = torch.empty(m, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    _launch(x2, w, q, config, n, rope=(cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, head_dim))
+    return q
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    k = w.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m, n = x2.shape[0], w.shape[0]
     if x2.shape[1] != k or x2.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"skinny_gemm needs x [M, {k}] and w [N, K] with unit stride in K, "
                          f"got {tuple(x.shape)} and {tuple(w.shape)}")
     if m > MAX_M:
         raise ValueError(f"skinny_gemm serves at most {MAX_M} rows, got {m}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        block_n, block_k, warps, stages, *rest = config
-        split = rest[0] if rest else 1
-        block_m = _block_m(m)
-        k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split a whole number of K blocks
-        split = triton.cdiv(k, k_split)
-        grid = (triton.cdiv(n, block_n // 2 if gated else block_n), triton.cdiv(m, block_m), split)
-        if split > 1:
-            parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-            counters = _tile_counters(x.device, grid[0] * grid[1])
-        else:
-            parts = counters = y  # unused
-        _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
-                                  y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT_K=split,
-                                  GATED=gated, BF16=x.dtype == torch.bfloat16, num_warps=warps,
-                                  num_stages=stages, **pdl_args(x))
-    return y.view(*x.shape[:-1], n)
+    return x2, (m, n, k)
+
+
+def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, ...], n: int,
+            GATED: bool = False, rope: tuple | None = None) -> None:
+    """Launch the kernel for x2 [M, K] @ w^T into y ([M, n] outputs; n: the output width, I for a gated product)."""
+    m, k = x2.shape
+    if not m:
+        return
+    block_n, block_k, warps, stages, *rest = config
+    split = rest[0] if rest else 1
+    block_m = _block_m(m)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # each split a whole number of K blocks
+    split = triton.cdiv(k, k_split)
+    grid = (triton.cdiv(n, block_n // 2 if GATED else block_n), triton.cdiv(m, block_m), split)
+    if split > 1:
+        parts = torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+        counters = _tile_counters(x2.device, grid[0] * grid[1])
+    else:
+        parts = counters = y  # unused
+    cos, sin, kc, vc, slots, hq, hkv, hd = rope or (y, y, y, y, y, 0, 0, 0)  # (unused without RoPE)
+    _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
+                              y.stride(0), cos, sin, cos.stride(0), kc, vc, slots, hq, hkv, BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                              IEEE=x2.dtype == torch.float32, SPLIT_K=split, GATED=GATED,
+                              BF16=x2.dtype == torch.bfloat16, ROPE=hd, num_warps=warps, num_stages=stages,
+                              **pdl_args(x2))

@@ -127,14 +127,21 @@ def _rope_heads(src_ptr, dst_ptr, c_lo, c_hi, s_lo, s_hi, heads, HALF: tl.conste
     mask = (h < heads) & (d < HALF)
     x_lo = tl.load(src_ptr + h * D + d, mask=mask, other=0.0).to(tl.float32)
     x_hi = tl.load(src_ptr + h * D + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    ty = dst_ptr.dtype.element_ty
-    # torch: x * cos + cat(-x_hi, x_lo) * sin, each product and the sum rounded to the activation dtype
+    lo, hi = _rotate(x_lo, x_hi, c_lo, c_hi, s_lo, s_hi, dst_ptr.dtype.element_ty, BF16)
+    tl.store(dst_ptr + h * D + d, lo, mask=mask)
+    tl.store(dst_ptr + h * D + HALF + d, hi, mask=mask)
+
+
+@triton.jit
+def _rotate(x_lo, x_hi, c_lo, c_hi, s_lo, s_hi, ty: tl.constexpr, BF16: tl.constexpr):
+    """Rotate-half RoPE of a head's two halves (fp32 values of `ty`) -> the two rotated halves in `ty`; torch's
+    x * cos + cat(-x_hi, x_lo) * sin, each product and the sum rounded to the activation dtype (also the skinny
+    GEMM's RoPE epilogue)."""
     lo = _round(_round(x_lo * c_lo, ty, BF16).to(tl.float32) + _round(-x_hi * s_lo, ty, BF16).to(tl.float32),
                 ty, BF16)
     hi = _round(_round(x_hi * c_hi, ty, BF16).to(tl.float32) + _round(x_lo * s_hi, ty, BF16).to(tl.float32),
                 ty, BF16)
-    tl.store(dst_ptr + h * D + d, lo, mask=mask)
-    tl.store(dst_ptr + h * D + HALF + d, hi, mask=mask)
+    return lo, hi
 
 
 @triton.jit

@@ -155,6 +155,16 @@ class Linear(nn.Module):
             return kernels.linear_silu_mul(x, self.weight)
         return kernels.silu_mul(self(x))
 
+    def rope_q_write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                        num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """kernels.rope_q_write_kv(self(x), ...) for a QKV layer: one kernel where the GPU's decode GEMM serves the
+        product (kernels.linear_rope_q_write_kv). Returns q."""
+        args = (cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
+        if self.packed is None and self.bias is None:
+            return kernels.linear_rope_q_write_kv(x, self.weight, *args)
+        return kernels.rope_q_write_kv(self(x), *args)
+
     def extra_repr(self) -> str:
         packed = "panels" if self.panels else self.packed is not None and str(self.matmul_dtype).split(".")[-1]
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -92,14 +92,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        if kernels.fuses_kv_write(qkv):  # RoPE and the KV-cache write in one kernel
+        if kernels.fuses_kv_write(x):  # RoPE and the KV-cache write in one kernel (with the GEMM, where it can)
             kv = ctx.kv_cache
-            q = kernels.rope_q_write_kv(qkv, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd, kv.k[self.layer_id],
-                                        kv.v[self.layer_id], ctx.out_slots)
+            q = self.qkv_proj.rope_q_write_kv(x, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd, kv.k[self.layer_id],
+                                              kv.v[self.layer_id], ctx.out_slots)
             o = ctx.attn.forward(q, self.layer_id, ctx)
         else:
-            q, k, v = kernels.rope_qk(qkv, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd)
+            q, k, v = kernels.rope_qk(self.qkv_proj(x), ctx.cos, ctx.sin, self.nq, self.nkv, self.hd)
             o = attend(q, k, v, self.layer_id, ctx)
         return self.o_proj(o.reshape(-1, self.nq * self.hd))
 
