@@ -141,3 +141,25 @@ def test_cancelling_async_generate_aborts_its_requests(engine):
     asyncio.run(main())
     _wait(lambda: engine.stats()["aborted"] == aborted + 2, "the aborts")
     _assert_idle_without_leaks(engine)
+
+
+def test_invariants_check_the_device_slot_table_against_the_hosts(stepped, tokenizer):
+    """check_invariants compares the runner's slot table (the one attention reads) with the scheduler's copy over
+    the resident requests' positions: a drifted entry, such as the stale slot a CUDA index_put kept when a row's
+    previous owner and its new one both had writes pending (cache.py), fails it, naming the row."""
+    sched = stepped.scheduler
+    r = stepped.make_request(None, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+                             tokenizer.encode(TEXT)[:12])
+    sched.add(r)
+    sched.step()
+    sched.check_invariants()
+    table = sched.runner.table
+    good = int(table[r.row, 3])
+    table[r.row, 3] = good + 1
+    with pytest.raises(AssertionError, match=f"row {r.row} differs from the host's at positions \\[3\\]"):
+        sched.check_invariants()
+    table[r.row, 3] = good
+    while sched.has_work:
+        sched.step()
+        sched.check_invariants()
+    assert r.finished and len(r.output_ids) == 4

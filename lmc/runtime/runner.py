@@ -408,6 +408,22 @@ class ModelRunner:
         if self._pinned:
             torch.cuda.current_stream().synchronize()
 
+    def check_table(self, host: torch.Tensor, spans: list[tuple[int, int, list[tuple[int, int]]]]) -> None:
+        """Assert that the device slot table equals the scheduler's `host` copy, once the device work launched so far
+        has run, over each (row, n, skip) span's positions [0, n) outside skip's [lo, hi) ranges."""
+        if not spans:
+            return
+        rows = [row for row, _, _ in spans]
+        n = max(n for _, n, _ in spans)
+        dev = self._work.submit(lambda: self.table[torch.tensor(rows, device=self.device), :n].cpu()).result()
+        for i, (row, k, skip) in enumerate(spans):
+            differs = dev[i, :k] != host[row, :k]
+            for lo, hi in skip:
+                differs[lo:hi] = False
+            if differs.any():
+                raise AssertionError(f"the device slot table's row {row} differs from the host's at positions "
+                                     f"{differs.nonzero().flatten()[:8].tolist()}")
+
     def collect(self, h: Launch) -> StepOutput:
         logits, _ = h.forward.result()
         n = len(h.sb)

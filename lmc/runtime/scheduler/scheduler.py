@@ -458,8 +458,22 @@ class Scheduler:
         return out
 
     def check_invariants(self) -> None:
-        """Slot accounting (cache.py's invariant) over the resident requests."""
-        self.memory.check(self.resident())
+        """Slot accounting (cache.py's invariant) over the resident requests, and the runner's copy of the slot table
+        equal to the host's over their positions, but those written since the last batch (they go with the next)
+        and those the batch still in flight writes (its forward may yet fail; a redo writes them again)."""
+        resident = self.resident()
+        self.memory.check(resident)
+        skip: dict[int, list[tuple[int, int]]] = {}
+        for row, span in self.memory.pending.items():
+            skip.setdefault(row, []).append(span)
+        f = self._inflight
+        if f is not None:
+            sb = f.sb
+            for row, pre, ext in zip(sb.rows, sb.prefix_lens, sb.extend_lens):
+                skip.setdefault(row, []).append((pre, pre + ext))
+            for row, start, slots in sb.table_writes:
+                skip.setdefault(row, []).append((start, start + len(slots)))
+        self.runner.check_table(self.memory.table, [(r.row, r.kv_len, skip.get(r.row, [])) for r in resident])
 
 
 def _device_fault(e: BaseException) -> bool:
