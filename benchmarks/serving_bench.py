@@ -44,20 +44,21 @@ from peer import SERVED_NAME as MODEL_NAME  # noqa: E402  (the name both servers
 
 class LmcServer(ManagedServer):
     """`lmc serve` (2 threads), started and stopped like the peer (peer.ManagedServer). `extra_args`: more
-    `lmc serve` options (e.g. --schedule-policy)."""
+    `lmc serve` options (e.g. --schedule-policy); `model`: what it serves (lmc.cli's --model)."""
 
     name = "lmc serve"
 
-    def __init__(self, log_path: str, extra_args: tuple[str, ...] = ()):
+    def __init__(self, log_path: str, extra_args: tuple[str, ...] = (), model: str = "smollm2-135m-instruct"):
         super().__init__(log_path, start_timeout=600)
         self.extra_args = tuple(extra_args)
+        self.model = model
 
     @property
     def ready_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/health"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "lmc.cli", "serve", "--model", "smollm2-135m-instruct", "--served-model-name",
+        return [sys.executable, "-m", "lmc.cli", "serve", "--model", self.model, "--served-model-name",
                 MODEL_NAME, "--port", str(self.port), *self.extra_args]
 
     def env(self) -> dict:

@@ -86,6 +86,22 @@ def test_ties_go_to_the_longer_prefix_match_then_first_seen():
     assert POLICIES["program"].order([first, shorter, longer], ctx) == [longer, first, shorter]
 
 
+def test_an_instances_work_level_halves_with_every_halving_time_since_it_arrived():
+    """Work 204 (level 8) arrived at 0 against work 24 (level 5) arriving later: the short one goes first when it
+    arrives 1 s later; one arriving 8 s later finds the long instance's level at 8 - 4 = 4 and waits behind it."""
+    clock = FakeClock()
+    ctx, policy = _ctx(clock), ProgramAware(max_wait_s=100, halving_s=2.0)
+    old = _req(0, ProgramHints("old", tokens_left=200))
+    policy.order([old], ctx)
+    clock.t = 1.0
+    early = _req(0, ProgramHints("early", tokens_left=20))
+    assert policy.order([old, early], ctx) == [early, old]
+    clock.t = 8.0
+    late = _req(0, ProgramHints("late", tokens_left=20))
+    assert policy.order([late, old], ctx) == [old, late]
+    assert ctx.programs.age(old, clock.t) == 8.0 and ctx.programs.age(late, clock.t) == 0.0
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(arrivals=st.lists(st.integers(0, 3), min_size=30, max_size=60), wait=st.integers(1, 8),
        before=st.integers(0, 4))

@@ -38,6 +38,7 @@ class InstanceState:
     live: set = field(default_factory=set)  # rids of its requests seen and not finished
     ended_plan: bool = False  # its last finished request was the plan's last call
     last_active: float = 0.0
+    arrived: float = 0.0  # when its first request was seen (the program policy ages instances from here)
 
     @property
     def finished(self) -> bool:
@@ -63,7 +64,7 @@ class ProgramLedger:
     def state(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
-            st = self.instances[instance] = InstanceState()
+            st = self.instances[instance] = InstanceState(arrived=self.clock())
             if len(self.instances) > MAX_INSTANCES:
                 self.instances.popitem(last=False)
         else:
@@ -79,6 +80,11 @@ class ProgramLedger:
             if r.program is not None:
                 self.state(r.program.instance).live.add(r.rid)
         return t
+
+    def age(self, r: Req, now: float) -> float:
+        """Seconds since r's instance arrived (since r was first seen, for a request without hints)."""
+        st = self.instances.get(r.program.instance) if r.program is not None else None
+        return now - (st.arrived if st is not None else self.first_seen.get(r, now))
 
     def attained(self, r: Req) -> int:
         st = self.instances.get(r.program.instance) if r.program is not None else None
