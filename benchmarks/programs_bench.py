@@ -104,7 +104,8 @@ def main() -> None:
     # (the second would find none left). The CPU's default pool is already small.
     common = ("--log-level", "warning") + (("--max-total-tokens", str(GPU_KV_TOKENS))
                                             if torch.cuda.is_available() else ())
-    servers = [LmcServer(logs[0], common, a.model), LmcServer(logs[1], (*common, "--disable-continuation"), a.model)]
+    servers = [LmcServer(logs[0], common, a.model),
+               LmcServer(logs[1], (*common, "--disable-continuation"), a.model)]
     results = {}
     try:
         for srv in servers:

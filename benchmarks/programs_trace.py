@@ -87,7 +87,6 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=1024)
     a = ap.parse_args()
     trace = QueueTrace()
-    trace.install()
     eng = Engine(model="smollm2-135m-instruct", schedule_policy=a.policy, max_total_tokens=a.kv_tokens)
     try:
         backend = lmc.Local(engine=eng)
@@ -95,7 +94,7 @@ def main() -> None:
         compiled = {k: p.compile() for k, (p, _, _) in progs.items()}
         for name, (_, argsets, _) in progs.items():  # warm-up: traces, the first forwards
             compiled[name].run(**argsets[0], backend=backend, temperature=0)
-        trace.__init__()
+        trace.install()  # after the warm-up: only the stream is traced
         r = load.run_stream(load.stream(progs, a.rate, a.instances, a.seed), progs, compiled, backend, True, 600)
     finally:
         eng.shutdown()

@@ -617,7 +617,8 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
                                      f"{'yes' if static else 'no'}.") + "\n",
         command(r) + f" Run note: {r['note']}.", "",
         table(["program", "interpreted", "compiled (/v1/programs)", "compiled, no continuation", "ratio",
-               "target", "forwards", "continuation", "HTTP requests interpreted", "HTTP requests compiled", "same variables"],
+               "target", "forwards", "continuation", "HTTP requests interpreted", "HTTP requests compiled",
+               "same variables"],
               rows)]) + "\n"
 
 
