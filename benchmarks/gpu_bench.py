@@ -5,7 +5,8 @@ few-shot timings), with:
 - the ceilings of this card, measured in the same run: device-to-device copy bandwidth (bytes read + written) and
   an 8192^3 bf16 matrix product on random data; every floor below uses these;
 - decode at batch 1, 8, 32, 64 and 256 for both shapes, against the floor (all weights but the embedding plus the
-  KV read at the mean context, over the measured bandwidth);
+  KV read at the mean context, over the measured bandwidth) and the roofline floor (the linears at the longer of
+  their weight read and their compute at the measured matrix rate, then the KV read);
 - prefill of 32 prompts of 2,048 tokens (7B) and of 4 prompts of 8,192 tokens (8B, whose context allows it), as
   tok/s and the share of the measured matrix rate;
 - the few-shot workload (128 programs, 1,200-token shared prefix) and a ShareGPT-like workload with no sharing
@@ -385,7 +386,8 @@ def main():
         cases = [
             ("logits", lambda hf, eng, cfg, bw, rate: check_logits(hf, eng, cfg.vocab_size, dev)),
             ("decode", lambda hf, eng, cfg, bw, rate: [
-                decode_speed(hf, eng, cfg, cfg.vocab_size, dev, args.repeat, b, dec[0], dec[1], bw) for b in batches]),
+                decode_speed(hf, eng, cfg, cfg.vocab_size, dev, args.repeat, b, dec[0], dec[1], bw, rate)
+                for b in batches]),
             ("prefill", lambda hf, eng, cfg, bw, rate: [
                 prefill(hf, eng, cfg, dev, args.repeat, *p, rate) for p in ([pre] if shape != "llama-3-8b" else [])
                 + ([long_prefill] if long_prefill else [])]),

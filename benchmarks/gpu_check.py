@@ -147,8 +147,13 @@ def time_call(fn, dev):
 
 
 @torch.inference_mode()
-def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new, bandwidth=COPY_BW):
-    """`bandwidth`: bytes/s the floor assumes (gpu_bench.py passes the copy bandwidth measured in its run)."""
+def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new, bandwidth=COPY_BW, matmul_rate=None):
+    """`bandwidth`: bytes/s the floor assumes (gpu_bench.py passes the copy bandwidth measured in its run).
+
+    With `matmul_rate` (FLOP/s) the result also holds the roofline floor: the linears take the longer of reading
+    their weights and computing at that rate, then the KV is read. At large batches the linears are compute-bound,
+    and the KV read cannot overlap them (attention needs the QKV product and feeds the next one), so this is the
+    floor a step can reach there; the plain floor assumes every byte streams at full bandwidth."""
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=g)
     ids = prompts.tolist()
@@ -181,8 +186,13 @@ def decode_speed(hf, eng, cfg, vocab, dev, repeat, batch, prompt_len, new, bandw
         hf_step.append(per_step(hf_gen))
     p = sum(x.numel() for x in hf.parameters()) - cfg.vocab_size * cfg.hidden_size  # all but the embedding
     kv_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    floor = (p * 2 + batch * (prompt_len + new // 2) * kv_tok) / bandwidth
-    return {"batch": batch, "prompt_tokens": prompt_len, "generated": new,
+    kv_read = batch * (prompt_len + new // 2) * kv_tok / bandwidth
+    floor = p * 2 / bandwidth + kv_read
+    roofline = {} if matmul_rate is None else {
+        "roofline_ms_per_step": (max(p * 2 / bandwidth, 2 * p * batch / matmul_rate) + kv_read) * 1e3}
+    if roofline:
+        roofline["lmc_over_roofline"] = spread([t * 1e3 / roofline["roofline_ms_per_step"] for t in lmc_step])
+    return roofline | {"batch": batch, "prompt_tokens": prompt_len, "generated": new,
             "lmc_ms_per_step": spread([t * 1e3 for t in lmc_step]), "hf_ms_per_step": spread([t * 1e3 for t in hf_step]),
             "floor_ms_per_step": floor * 1e3, "lmc_tok_s": spread([batch / t for t in lmc_step]),
             "hf_tok_s": spread([batch / t for t in hf_step]),

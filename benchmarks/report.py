@@ -245,6 +245,8 @@ def _probe_rows(kern: dict) -> list[list[str]]:
 def render_gpu_bench(r: dict, _dir: Path) -> str:
     c = r["ceilings"]
     targets = r["targets"]
+    decode = [(shape, d) for shape, s in r["shapes"].items() for d in s.get("decode", [])]
+    roofline = all("roofline_ms_per_step" in d for _, d in decode)  # records before it lack the column
     out = [f"## {r['device']}, issue 13's table: dummy llama-2-7b and llama-3-8b ({r['dtype'].removeprefix('torch.')}), "
            "against the floor and transformers in the same run\n",
            f"torch {r['torch']}, transformers {r['transformers']}. Ceilings measured in this run: copy "
@@ -252,18 +254,22 @@ def render_gpu_bench(r: dict, _dir: Path) -> str:
            f"(bytes read + written), bf16 8192^3 matmul "
            f"{fig({k: (v / 1e12 if k != 'runs' else [x / 1e12 for x in v]) for k, v in c['bf16_matmul_flop_s'].items()}, 0, ' TFLOP/s')}. "
            "Decode floor: all weights but the embedding plus the KV read at the mean context, over the measured copy "
-           "bandwidth. Per-step time is (time for n+1 tokens - time for 1) / n, so prefill cancels out. "
+           "bandwidth. " + ("Roofline floor: the linears at the longer of their weight read and their compute at the "
+                            "measured matmul rate, then the KV read (attention can not overlap the linears around it "
+                            "in one batch). " if roofline else "")
+           + "Per-step time is (time for n+1 tokens - time for 1) / n, so prefill cancels out. "
            "Plot: `results/gpu_bench.png`; log: `results/gpu_bench.log`.\n", command(r), "", "### Decode\n"]
     rows = []
-    for shape, s in r["shapes"].items():
-        for d in s.get("decode", []):
-            t = targets["decode_over_floor"].get(f"{shape} batch {d['batch']}")
-            rows.append([shape, str(d["batch"]), str(d["prompt_tokens"]), fig(d["lmc_ms_per_step"]),
-                         num(d["floor_ms_per_step"]), fig(d["lmc_over_floor"], unit="x"),
-                         _target(t, d["lmc_over_floor"]["median"]), fig(d["hf_ms_per_step"]),
-                         fig(d["lmc_vs_hf"], unit="x")])
-    out.append(table(["shape", "batch", "prompt tokens", "lmc ms/step", "floor ms", "lmc / floor", "target",
-                      "transformers ms/step", "lmc vs transformers"], rows))
+    for shape, d in decode:
+        t = targets["decode_over_floor"].get(f"{shape} batch {d['batch']}")
+        rows.append([shape, str(d["batch"]), str(d["prompt_tokens"]), fig(d["lmc_ms_per_step"]),
+                     num(d["floor_ms_per_step"]), fig(d["lmc_over_floor"], unit="x"),
+                     _target(t, d["lmc_over_floor"]["median"])]
+                    + ([num(d["roofline_ms_per_step"]), fig(d["lmc_over_roofline"], unit="x")] if roofline else [])
+                    + [fig(d["hf_ms_per_step"]), fig(d["lmc_vs_hf"], unit="x")])
+    out.append(table(["shape", "batch", "prompt tokens", "lmc ms/step", "floor ms", "lmc / floor", "target"]
+                     + (["roofline ms", "lmc / roofline"] if roofline else [])
+                     + ["transformers ms/step", "lmc vs transformers"], rows))
     out.append("\n### Prefill and workloads\n")
     rows = []
     for shape, s in r["shapes"].items():
