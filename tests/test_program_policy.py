@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lmc
 from lmc.protocol.hints import ProgramHints
 from lmc.runtime.core import Req, SamplingParams
 from lmc.runtime.radix_cache import RadixCache
@@ -180,6 +181,40 @@ def test_a_passed_next_use_and_an_idle_instance_lose_their_protection():
     mem.programs.state("a")  # a is active again
     order = _evicted_order(mem, [10, 20, 30, 50])
     assert order[:3] == [10, 20, 30] and order[3] == 50
+
+
+@lmc.function
+def fork_then_merge(s, topic):
+    """Branches on a shared text, then host code that reads them (a graph break) and a merge after it."""
+    s += "Topic: " + topic + "\n"
+    forks = s.fork(2)
+    for k, f in enumerate(forks):
+        f += f"Idea {k}:" + lmc.gen("idea", max_tokens=6, stop="\n")
+    forks.join()
+    for f in forks:
+        s += "- " + f["idea"] + "\n"
+    s += "Best:" + lmc.gen("best", max_tokens=4)
+
+
+def test_fork_branches_keep_the_prefix_the_join_goes_on_with():
+    """A fork's branches end their segment's calls, but the parent goes on after the join with the text they start
+    with (the load benchmark's judges: four branches on an article, then a merge that extends it). With the plan's
+    hints the instance is not finished when its branches are, and their shared prefix outlasts untagged KV used
+    after it (without them the branches' leaves went first, then the prefix, as least recently used)."""
+    from lmc.compiler.hints import segment_hints
+
+    g = fork_then_merge.compile().graph()
+    assert g.node(g.order()[-1]).kind == "break"
+    branch = list(segment_hints(g).values())
+    assert len(branch) == 2 and all(h.calls_left == 1 and h.next_use == 2 for h in branch)
+    mem = CacheManager(num_rows=8, context_length=64, num_slots=128)
+    mem.programs.retaining = True
+    for first, h in zip((70, 80), branch):
+        _finish(mem, [60, 61, 62, 63, first, first + 1], ProgramHints("judge", h.calls_left, h.tokens_left,
+                                                                         h.next_use))
+    plain = _finish(mem, [30, 31, 32, 33], None)
+    assert plain.finished and not mem.programs.instances["judge"].finished
+    assert _evicted_order(mem, [30, 60]) == [30, 60]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -301,7 +301,9 @@ def test_segment_hints_of_a_fork():
     (_, best) = gens["best"]
     assert best.calls_left == 1 and best.next_use is None and best.tokens_left == 6
     branch = [h for n, h in hints.items() if g.node(n).attrs["name"] != "best"]
-    assert all(h.calls_left == 2 and h.next_use is None for h in branch)  # a branch's last call: no later use
+    # a branch's last call: the final gen extends the parent's text, the prefix the branches start with, after the
+    # other branch's call (the ledger counts every finished request as a step) and itself
+    assert all(h.calls_left == 2 and h.next_use == 2 for h in branch)
     assert {h.tokens_left for h in branch} == {18}  # both branches (concurrent) and the final gen
 
 

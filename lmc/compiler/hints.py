@@ -12,9 +12,13 @@ Per call node n of a segment graph (computed once per graph and default token bu
 - tokens_left: the tokens every node that is not an ancestor of n may generate (gen: max_new_tokens x n, select:
   at most 1), an upper bound of what the instance still generates; None when a break or a nested call is among
   them (host code or another program decides what follows);
-- next_use: program steps from n to the nearest later step that extends n's prompt: a gen/select on n's stream or
-  a fork branch of it, or a break there (its host code resumes the stream); nested calls on the way count as steps.
-  A branch's last call has none (the join continues the parent's text).
+- next_use: program steps from n to the nearest later step u that extends n's prompt: a gen/select on n's stream
+  or a fork branch of it, or a break there (its host code resumes the stream). For a fork branch, the parent's
+  stream after the join counts: the join continues the parent's text, the prefix the branch's prompt starts with
+  (the judges' article: without it the instance looked finished once its branches were, and the merge after them
+  found the article evicted). The steps are the LM calls (nested ones too) and breaks that must finish after n up
+  to and including u, those of parallel branches included: the ledger's step clock counts every finished request
+  of the instance, so a branch's next use at the join is as far as the sibling branches' calls plus u.
 """
 from __future__ import annotations
 
@@ -71,17 +75,18 @@ def segment_hints(g: ProgramGraph, default_max_tokens: int = 128) -> dict[int, N
 
 
 def _next_use(g: ProgramGraph, start: int) -> int | None:
-    """Fewest steps to a node that extends `start`'s prompt (0-1 BFS: a nested call on the way costs a step)."""
+    """Steps until the nearest node that extends `start`'s prompt (module docstring). The nearest is found by a
+    0-1 BFS along the flow (a nested call on the way costs a step); its steps are then counted over the graph."""
     dist = {start: 0}
     todo = deque([start])
     while todo:
         nid = todo.popleft()
         for s in _flow(g, nid):
             kind = g.node(s).kind
-            if kind == "join" and g.node(nid).stream != g.node(s).stream:
-                continue  # a branch's end: the join goes on with the parent's text, not the branch's
             if kind in ("gen", "select", "break"):
-                return dist[nid] + 1
+                done = nx.ancestors(g.g, start) | {start}
+                return sum(1 for m in nx.ancestors(g.g, s) | {s}
+                           if m not in done and g.node(m).kind in _CALLS + ("break",))
             d = dist[nid] + (kind == "call")
             if s not in dist or d < dist[s]:
                 dist[s] = d
