@@ -34,7 +34,9 @@ class ProgramHints:
     tokens_left: an upper bound of the tokens the instance may still generate, this request's included; None when
         the plan cannot bound it (host code, a nested program or an interpreted rest may follow).
     next_use: program steps (LM calls, and a host-code break) until a later request of the instance extends this
-        request's prompt (1: the very next step); None when no later use is known (its prefix may go first).
+        request's prompt (1: the very next step; for a fork branch, the parent's step after the join, which extends
+        the prefix the branch starts with, the sibling branches' calls counted on the way); None when no later use
+        is known (its prefix may go first).
     program: the program's name (a workload class: Dynamo's session_type_id); "" when unknown.
     """
 
