@@ -8,7 +8,10 @@ multi_turn_chat (3 turns, each extending the history), drawn by a seeded RNG wit
 at each rate; the same stream for every system within a repetition. Every lmc server runs with a KV pool of
 --kv-tokens (too small to keep every instance's prefixes: it must evict under load).
 
-Systems (alternating within each repetition, the first rotating):
+Systems (alternating within each repetition, in a seeded random order per repetition, recorded as `orders`: the
+cyclic rotation used before kept each system's predecessor fixed, and program/compiled always ran right after
+vllm/compiled (20-30 s at full load on both cores): at 48 instances a run it lost p90 and throughput to
+lpm/compiled in 5 of 5 repetitions, and won both in 4 of 4 when the two ran alone, programs_load_48_two.json):
 - `program/compiled`, `lpm/compiled`, `fcfs/compiled`: the compiled program through RuntimeEndpoint, so its
   segments run over POST /v1/programs with the plan's hints, on a server with that --schedule-policy (with
   --busy-prefill-tokens N, the `program` server also with forward shaping, a server tuned for latency: a win at
@@ -53,6 +56,7 @@ OUT = os.path.join(HERE, "results", "programs_load.json")
 LMC_SYSTEMS = {"program/compiled": ("program", True), "lpm/compiled": ("lpm", True),
                "fcfs/compiled": ("fcfs", True), "lpm/interpreted": ("lpm", False)}
 BASELINE, CANDIDATE = "lpm/interpreted", "program/compiled"
+POLICY_BASELINE = "lpm/compiled"  # the policy alone: program/compiled over it
 TARGETS = {"mean_ratio": 0.6, "p90_ratio": 0.7, "saturation_throughput_ratio": 1.3}
 
 
@@ -147,6 +151,13 @@ def _per_program(items, completion) -> dict:
     return {k: statistics.mean(v) for k, v in sorted(by.items())}
 
 
+def _ratios(c: list[dict], b: list[dict]) -> dict:
+    """Per run (the same stream), candidate over baseline: mean and p90 completion, throughput."""
+    return {"mean_ratio": spread([x["mean_s"] / y["mean_s"] for x, y in zip(c, b)]),
+            "p90_ratio": spread([x["p90_s"] / y["p90_s"] for x, y in zip(c, b)]),
+            "throughput_ratio": spread([x["throughput_per_s"] / y["throughput_per_s"] for x, y in zip(c, b)])}
+
+
 def summarize(runs: dict, rates: list[float], systems: list[str]) -> dict:
     out = {}
     for rate in rates:
@@ -157,12 +168,9 @@ def summarize(runs: dict, rates: list[float], systems: list[str]) -> dict:
             per[s] = {f: spread([r[f] for r in rs]) for f in ("mean_s", "p90_s", "throughput_per_s")}
             if all("engine" in r for r in rs):
                 per[s]["engine"] = {k: spread([r["engine"][k] for r in rs]) for k in ENGINE_COUNTS}
-        if BASELINE in per and CANDIDATE in per:
-            b, c = runs[key][BASELINE], runs[key][CANDIDATE]
-            per["ratios"] = {
-                "mean_ratio": spread([x["mean_s"] / y["mean_s"] for x, y in zip(c, b)]),
-                "p90_ratio": spread([x["p90_s"] / y["p90_s"] for x, y in zip(c, b)]),
-                "throughput_ratio": spread([x["throughput_per_s"] / y["throughput_per_s"] for x, y in zip(c, b)])}
+        for name, base in (("ratios", BASELINE), ("policy_ratios", POLICY_BASELINE)):
+            if base in per and CANDIDATE in per:
+                per[name] = _ratios(runs[key][CANDIDATE], runs[key][base])
         out[key] = per
     return out
 
@@ -251,11 +259,13 @@ def main() -> None:
                 (compiled[name] if use_compiled else prog).run(**argsets[0], backend=backends[policy],
                                                                temperature=0)
         runs: dict[str, dict[str, list]] = {str(r): {s: [] for s in a.systems} for r in a.rates}
+        orders: dict[str, list[list[str]]] = {}  # per rate, each repetition's order of the systems
         for rep in range(a.reps):
             for ri, rate in enumerate(a.rates):
                 items = stream(progs, rate, a.instances, seed=1000 * rep + ri)
-                k = (rep + ri) % len(a.systems)
-                for s in a.systems[k:] + a.systems[:k]:
+                order = random.Random(f"{rep}/{ri}").sample(a.systems, len(a.systems))
+                orders.setdefault(str(rate), []).append(order)
+                for s in order:
                     policy, use_compiled = LMC_SYSTEMS.get(s, ("vllm", True))
                     if policy == "vllm":
                         peer.reset_prefix_cache()
@@ -281,7 +291,7 @@ def main() -> None:
     result = {
         "provenance": finish(prov), "model": "smollm2-135m-instruct", "reps": a.reps, "rates": a.rates,
         "instances_per_run": a.instances, "kv_tokens": a.kv_tokens, "lmc_dtype": a.dtype,
-        "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems,
+        "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems, "orders": orders,
         "mix": {k: v[2] for k, v in progs.items()}, "summary": summary, "targets": TARGETS,
         "saturation_rate": float(top), "plot": os.path.basename(os.path.splitext(a.out)[0] + ".png"),
         "same_variables_as_program_compiled": same_variables(runs, a.rates, a.systems),

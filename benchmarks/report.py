@@ -783,12 +783,13 @@ def render_programs_load(r: dict, _dir: Path) -> str:
         rows += [[num(rate, 2), s, fig(per[s]["mean_s"], 2, " s"), fig(per[s]["p90_s"], 2, " s"),
                   fig(per[s]["throughput_per_s"], 3)] for s in r["systems"]]
     t = r["targets"]
-    ratio_rows = []
-    for rate in r["rates"]:
-        q = r["summary"][str(rate)].get("ratios")
-        if q:
-            ratio_rows.append([num(rate, 2), fig(q["mean_ratio"], 2), fig(q["p90_ratio"], 2),
-                               fig(q["throughput_ratio"], 2)])
+    def ratio_rows(name: str) -> list[list[str]]:
+        return [[num(rate, 2), fig(q["mean_ratio"], 2), fig(q["p90_ratio"], 2), fig(q["throughput_ratio"], 2)]
+                for rate in r["rates"] for q in [r["summary"][str(rate)].get(name)] if q]
+
+    heads = ["rate (/s)", "mean ratio", "p90 ratio", "throughput ratio"]
+    targets = ratio_rows("ratios")
+    policy = ratio_rows("policy_ratios")  # records before it lack it
     same = ", ".join(f"{s} {pct(v, 0, exact=True)}" for s, v in r["same_variables_as_program_compiled"].items()
                      if v is not None)
     return "\n".join([
@@ -809,10 +810,11 @@ def render_programs_load(r: dict, _dir: Path) -> str:
         f"{r['reps']} runs, systems alternating within each. Plot: {r.get('plot', 'programs_load.png')}.\n",
         command(r) + f" Run note: {r['note']}", "",
         table(["rate (/s)", "system", "mean completion", "p90 completion", "throughput (/s)"], rows), "",
-        f"program/compiled over lpm/interpreted, per run (targets: mean <= {t['mean_ratio']}, p90 <= "
-        f"{t['p90_ratio']}, throughput >= {t['saturation_throughput_ratio']} at the highest rate, "
-        f"{num(r['saturation_rate'], 2)}/s):\n",
-        table(["rate (/s)", "mean ratio", "p90 ratio", "throughput ratio"], ratio_rows), "",
+        *([f"program/compiled over lpm/interpreted, per run (targets: mean <= {t['mean_ratio']}, p90 <= "
+           f"{t['p90_ratio']}, throughput >= {t['saturation_throughput_ratio']} at the highest rate, "
+           f"{num(r['saturation_rate'], 2)}/s):\n", table(heads, targets), ""] if targets else []),
+        *(["The policy alone, program/compiled over lpm/compiled, per run:\n", table(heads, policy), ""]
+          if policy else []),
         f"Same variables as program/compiled, instance by instance: {same}."]) + "\n"
 
 
