@@ -40,9 +40,11 @@ class QueueTrace:
         self.admitted: dict = {}
         self.ranks = collections.Counter()  # (program, "first" | "behind")
         self.misfits = collections.Counter()  # program
+        self.rows = collections.Counter()  # program: prompt rows computed (every prefill chunk, chains' extends)
 
     def install(self) -> None:
         seen, rank, try_admit = ProgramLedger.seen, policy.ProgramAware.rank, prefill.PrefillAdder.try_admit
+        take = prefill.PrefillAdder.take
         trace = self
 
         def traced_seen(ledger, r):
@@ -66,8 +68,13 @@ class QueueTrace:
                     trace.misfits[r.program.program] += 1
             return ok
 
+        def traced_take(adder, r, ext):
+            if r.program is not None:
+                trace.rows[r.program.program] += ext
+            return take(adder, r, ext)
+
         ProgramLedger.seen, policy.ProgramAware.rank = traced_seen, traced_rank
-        prefill.PrefillAdder.try_admit = traced_try_admit
+        prefill.PrefillAdder.try_admit, prefill.PrefillAdder.take = traced_try_admit, traced_take
 
     def waits(self) -> dict[str, list[float]]:
         out = collections.defaultdict(list)
@@ -95,7 +102,9 @@ def main() -> None:
         for name, (_, argsets, _) in progs.items():  # warm-up: traces, the first forwards
             compiled[name].run(**argsets[0], backend=backend, temperature=0)
         trace.install()  # after the warm-up: only the stream is traced
+        before = dict(eng.scheduler.stats)
         r = load.run_stream(load.stream(progs, a.rate, a.instances, a.seed), progs, compiled, backend, True, 600)
+        st = {k: eng.scheduler.stats[k] - before[k] for k in ("forwards", "computed_tokens", "retractions")}
     finally:
         eng.shutdown()
     print(f"{a.policy}: mean {r['mean_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['throughput_per_s']:.2f} instances/s")
@@ -105,7 +114,10 @@ def main() -> None:
         queue = (f"{len(w)} queued requests, wait mean {statistics.mean(w):.2f} s, max {max(w):.2f} s" if w
                  else "no queued request traced")
         print(f"  {name:16s} completion {mean:5.2f} s; {queue}; ranked first {trace.ranks[(name, 'first')]}, "
-              f"behind {trace.ranks[(name, 'behind')]}; KV misfits {trace.misfits[name]}")
+              f"behind {trace.ranks[(name, 'behind')]}; KV misfits {trace.misfits[name]}; "
+              f"prompt rows computed {trace.rows[name]}")
+    print(f"engine: {st['forwards']} forwards, {st['computed_tokens']} computed tokens, {st['retractions']} "
+          f"retractions")
 
 
 if __name__ == "__main__":
