@@ -78,6 +78,7 @@ FUSE_MAX_EXTRA_TOKENS = 16
 # Latency fusion's budget: the tokens of the forward that replaces a select's own and the next gen's first (its choice
 # children's and the running requests' decode step); on CPU at batch 1 a forward of 24 tokens costs ~1.3x one of 1.
 LATENCY_FUSE_TOKENS = 24
+CHARS_PER_TOKEN = 4  # a text's token estimate where it is not encoded yet (English prose: about 4 characters a token)
 
 
 @dataclass
@@ -118,6 +119,20 @@ class Chain:
     children: list[Req] | None = None  # the fork's branch requests, once spawned
     closed: bool = False  # (a branch) its end was handed to the caller
     prefix: EncodedPrefix | None = None  # the text's encoded prefix, for re-encoding it (prefix_encode.py)
+    # Per step, the tokens the request adds to its own KV after that step's call: the later steps' texts (estimated
+    # at CHARS_PER_TOKEN) and calls (a gen's max_new_tokens, a select's choice); a fork's branches run as requests
+    # of their own. Admission reserves them for a running chain (prefill.est_new).
+    tokens_after: list[int] = field(init=False)
+
+    def __post_init__(self):
+        after, acc = [], 0
+        for st in reversed(self.steps):
+            after.append(acc)
+            if st.branches is None:
+                call = (st.gen.max_new_tokens if st.gen is not None
+                        else 1 + max(len(c) for c in st.choices) // CHARS_PER_TOKEN)
+                acc += len(st.text) // CHARS_PER_TOKEN + call
+        self.tokens_after = after[::-1]
 
 
 def select_params(start: int, token_ids: list[int]) -> SamplingParams:

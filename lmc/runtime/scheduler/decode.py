@@ -3,7 +3,8 @@
 Each running request needs one slot. If free + evictable slots do not cover them, the least-progressed request
 (fewest outputs; longest prompt first among equals: least work lost) is retracted: its computed KV goes into the
 radix tree, it returns to the head of the queue, and later resumes from whatever part of its KV is still cached,
-with the same result. A lone request that does not fit is aborted. `new_token_ratio` (admission's estimate of
+with the same result. A lone running request that does not fit is aborted, unless chains between two calls
+(`Scheduler.continuing`, resident with their KV) hold memory: they go back to the queue first, the latest first. `new_token_ratio` (admission's estimate of
 how much of their budget running requests will use) resets after a retraction and decays while memory holds.
 
 With overlap, a request whose last token is still on the device and will end it for sure (its max_new_tokens, or
@@ -36,6 +37,11 @@ def schedule_decode(s: "Scheduler") -> ScheduledBatch | None:
         mem.evict(len(reqs) - mem.slots.available)
         if mem.slots.available >= len(reqs):
             break
+        if len(s.running) == 1 and s.continuing:
+            requeue(s, s.continuing[-1])  # a chain between two calls holds KV too: it goes back, not r
+            s.stats["retractions"] += 1
+            retracted = True
+            continue
         if len(s.running) == 1:
             r = s.running[0]
             s.out.append(r)
@@ -66,10 +72,11 @@ def retract(s: "Scheduler") -> Req:
 
 
 def requeue(s: "Scheduler", r: Req) -> None:
-    """Send resident r back to the head of the queue: it gives up its KV (its computed part goes to the tree) and
-    is matched and admitted again."""
-    if r in s.running:
-        s.running.remove(r)
+    """Send resident r (running, or a chain between two calls) back to the head of the queue: it gives up its KV
+    (its computed part goes to the tree) and is matched and admitted again."""
+    for q in (s.running, s.continuing):
+        if r in q:
+            q.remove(r)
     s.memory.release(r)
     r.match_version = -1  # its token sequence may have grown since it last waited
     s.waiting.insert(0, r)

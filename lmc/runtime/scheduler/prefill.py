@@ -6,7 +6,9 @@ while the budgets hold (SGLang's PrefillAdder):
   batch; a request longer than what is left is prefilled in chunks, at most one such request at a time, and its
   next chunk goes first in the next prefill;
 - KV room: free + evictable slots minus what the running requests are expected to still need
-  (`new_token_ratio` x their remaining tokens, clipped at CLIP_NEW_TOKENS each);
+  (`new_token_ratio` x their remaining tokens, clipped at CLIP_NEW_TOKENS each; a chain's remaining tokens include
+  its later texts and calls, which it computes without admission: counting only its running call over-admitted
+  chains on a small pool, and the retractions that followed recomputed their whole prefixes);
 - `max_running` requests, and a free slot-table row.
 In-batch prefix dedup (cache-aware policies): a request whose usable prefix (match_limit) another request of this
 batch, the chunked request's later chunks, or the prefill forward still in flight (overlap) is about to compute
@@ -42,6 +44,7 @@ import torch
 from ..core import Req
 from ..radix_cache import RadixCache
 from ..runner import BatchBuilder, ScheduledBatch
+from . import decode
 from .config import CLIP_NEW_TOKENS, IN_BATCH_DEPRIORITIZE, MIX_MAX_EXTEND
 
 if TYPE_CHECKING:
@@ -49,8 +52,10 @@ if TYPE_CHECKING:
 
 
 def est_new(r: Req) -> int:
-    """Admission's estimate of the tokens r may still generate."""
-    return min(r.params.max_new_tokens - len(r.output_ids), CLIP_NEW_TOKENS)
+    """Admission's estimate of the tokens r may still add to its KV: what its call may still generate, and a
+    chain's later texts and calls (continuation.Chain.tokens_after), which it computes without admission."""
+    later = r.chain.tokens_after[r.chain.at] if r.chain is not None and r.chain.at >= 0 else 0
+    return min(r.params.max_new_tokens - len(r.output_ids) + later, CLIP_NEW_TOKENS)
 
 
 def match_limit(s: "Scheduler", r: Req) -> int:
@@ -210,11 +215,8 @@ def _continue_chains(s: "Scheduler", add: PrefillAdder) -> None:
         ext = min(len(r.fill_ids) - r.kv_len, add.rem_chunk, s.memory.room)
         if ext <= 0:
             if not s.running and not len(add.batch) and add.rem_chunk > 0:
-                s.continuing.remove(r)
-                s.memory.release(r)
+                decode.requeue(s, r)
                 r.computed_tokens = r.cached_tokens = 0
-                r.match_version = -1
-                s.waiting.insert(0, r)
             break
         add.take(r, ext)
         if r.kv_len == len(r.fill_ids):
