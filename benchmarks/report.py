@@ -241,13 +241,16 @@ def _probe_rows(kern: dict) -> list[list[str]]:
     return rows
 
 
-@section("gpu_bench.json")
-def render_gpu_bench(r: dict, _dir: Path) -> str:
+@section("gpu_bench*.json")
+def render_gpu_bench(r: dict, results_dir: Path) -> str:
     c = r["ceilings"]
+    stem = re.search(r"--out \S*?([^/\s]+)\.json", r["provenance"]["command"]).group(1)  # its plot and log are named so
+    files = "; ".join(f"{what}: `results/{stem}.{ext}`" for what, ext in (("plot", "png"), ("log", "log"))
+                      if (results_dir / f"{stem}.{ext}").exists())
     targets = r["targets"]
     decode = [(shape, d) for shape, s in r["shapes"].items() for d in s.get("decode", [])]
     roofline = all("roofline_ms_per_step" in d for _, d in decode)  # records before it lack the column
-    out = [f"## {r['device']}, issue 13's table: dummy llama-2-7b and llama-3-8b ({r['dtype'].removeprefix('torch.')}), "
+    out = [f"## {r['device']}, issue 13's table: dummy {' and '.join(r['shapes'])} ({r['dtype'].removeprefix('torch.')}), "
            "against the floor and transformers in the same run\n",
            f"torch {r['torch']}, transformers {r['transformers']}. Ceilings measured in this run: copy "
            f"{fig({k: (v / 1e12 if k != 'runs' else [x / 1e12 for x in v]) for k, v in c['copy_bytes_s'].items()}, 2, ' TB/s')} "
@@ -257,8 +260,8 @@ def render_gpu_bench(r: dict, _dir: Path) -> str:
            "bandwidth. " + ("Roofline floor: the linears at the longer of their weight read and their compute at the "
                             "measured matmul rate, then the KV read (attention can not overlap the linears around it "
                             "in one batch). " if roofline else "")
-           + "Per-step time is (time for n+1 tokens - time for 1) / n, so prefill cancels out. "
-           "Plot: `results/gpu_bench.png`; log: `results/gpu_bench.log`.\n", command(r), "", "### Decode\n"]
+           + "Per-step time is (time for n+1 tokens - time for 1) / n, so prefill cancels out."
+           + (f" {files[0].upper()}{files[1:]}." if files else "") + "\n", command(r), "", "### Decode\n"]
     rows = []
     for shape, d in decode:
         t = targets["decode_over_floor"].get(f"{shape} batch {d['batch']}")
@@ -294,7 +297,10 @@ def render_gpu_bench(r: dict, _dir: Path) -> str:
                          f"prompt and {num(n['output_tokens'])} output tokens (output tok/s)",
                          fig(n["lmc_output_tok_s"], 0), fig(n["hf_output_tok_s"], 0) +
                          f"; left-padded batches of {n['hf_batch']}", fig(n["lmc_vs_hf"], unit="x"), "-"])
-    out.append(table(["workload", "lmc", "transformers", "lmc vs transformers", "target"], rows))
+    if rows:  # (a decode-only run has none)
+        out.append(table(["workload", "lmc", "transformers", "lmc vs transformers", "target"], rows))
+    else:
+        out.pop()
     for shape, s in r["shapes"].items():
         if "kernels" not in s:
             continue
@@ -715,7 +721,8 @@ def _line_gpu_pytest(r: dict) -> str:
 README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm,
                      "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
-                     "gpu_bench.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
+                     "gpu_bench.json": _line_gpu_bench, "gpu_bench_h100.json": _line_gpu_bench,
+                     "gpu_bench_h100_b256.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
                      "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load,
                      "programs_load_48_bf16.json": _line_programs_load})

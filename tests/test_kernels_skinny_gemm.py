@@ -93,10 +93,12 @@ def test_rope_epilogue_equals_the_gemm_then_rope_q_write_kv(dtype, m, hq, hkv, h
     assert q.shape == (m, hq, hd) and kc[slots].abs().sum() > 0 and torch.equal(vc, vc2)
     if dev.type == "cpu":  # the interpreter: bit for bit
         assert torch.equal(q, want) and torch.equal(kc, kc2)
-    else:  # compiled, fp32 and fp16 round trips may contract into FMAs differently in the two kernels: an ulp
-        eps = torch.finfo(dtype).eps  # (bf16, what the GPU runs, is bit for bit: the test at real shapes below)
-        torch.testing.assert_close(q, want, rtol=2 * eps, atol=0)
-        torch.testing.assert_close(kc, kc2, rtol=2 * eps, atol=0)
+    else:  # compiled, fp32 and fp16 round trips may contract into FMAs differently in the two kernels: an ulp or
+        # two of the rotation's operands, which is large against the small results of its cancellations (H100: up
+        # to 1.5e-4 absolute in fp16 on outputs of order 0.1); bf16, what the GPU runs, is bit for bit (real shapes)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(q, want, rtol=2 * eps, atol=4 * eps * want.abs().max().item())
+        torch.testing.assert_close(kc, kc2, rtol=2 * eps, atol=4 * eps * kc2.abs().max().item())
 
 
 def test_rope_epilogue_takes_only_tiles_within_half_a_head():
