@@ -36,6 +36,10 @@ def test_admission_counts_a_chains_later_steps():
     assert prefill.est_new(r) == 4 + 10
     r.params = SamplingParams(max_new_tokens=CLIP_NEW_TOKENS)
     assert prefill.est_new(r) == CLIP_NEW_TOKENS
+    # a fork's branches run as requests of their own: the parent adds nothing after its last call
+    branch = [continuation.ChainStep("\nIdea:", gen=SamplingParams(max_new_tokens=50))]
+    forked = continuation.Chain(steps[:1] + [continuation.ChainStep("", branches=[branch, branch])], steps[0].text)
+    assert forked.tokens_after == [0, 0]
 
 
 def _optimistic(r):
