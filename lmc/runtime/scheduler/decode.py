@@ -4,8 +4,9 @@ Each running request needs one slot. If free + evictable slots do not cover them
 (fewest outputs; longest prompt first among equals: least work lost) is retracted: its computed KV goes into the
 radix tree, it returns to the head of the queue, and later resumes from whatever part of its KV is still cached,
 with the same result. A lone running request that does not fit is aborted, unless chains between two calls
-(`Scheduler.continuing`, resident with their KV) hold memory: they go back to the queue first, the latest first. `new_token_ratio` (admission's estimate of
-how much of their budget running requests will use) resets after a retraction and decays while memory holds.
+(`Scheduler.continuing`, resident with their KV) hold memory: they go back to the queue first, the latest first.
+`new_token_ratio` (admission's estimate of how much of their budget running requests will use) resets after a
+retraction and decays while memory holds.
 
 With overlap, a request whose last token is still on the device and will end it for sure (its max_new_tokens, or
 the context length) is left out of the step: its end is known before its token is.
