@@ -722,7 +722,7 @@ README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _l
                      "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "gpu_bench_h100.json": _line_gpu_bench,
-                     "gpu_bench_h100_b256.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
+                     "gpu_bench_h100_b256.json": _line_gpu_bench, "gpu_bench_decode.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
                      "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load,
                      "programs_load_48_bf16.json": _line_programs_load})
