@@ -273,7 +273,6 @@ def render_gpu_bench(r: dict, results_dir: Path) -> str:
     out.append(table(["shape", "batch", "prompt tokens", "lmc ms/step", "floor ms", "lmc / floor", "target"]
                      + (["roofline ms", "lmc / roofline"] if roofline else [])
                      + ["transformers ms/step", "lmc vs transformers"], rows))
-    out.append("\n### Prefill and workloads\n")
     rows = []
     for shape, s in r["shapes"].items():
         for p in s.get("prefill", []):
@@ -298,9 +297,8 @@ def render_gpu_bench(r: dict, results_dir: Path) -> str:
                          fig(n["lmc_output_tok_s"], 0), fig(n["hf_output_tok_s"], 0) +
                          f"; left-padded batches of {n['hf_batch']}", fig(n["lmc_vs_hf"], unit="x"), "-"])
     if rows:  # (a decode-only run has none)
-        out.append(table(["workload", "lmc", "transformers", "lmc vs transformers", "target"], rows))
-    else:
-        out.pop()
+        out += ["\n### Prefill and workloads\n",
+                table(["workload", "lmc", "transformers", "lmc vs transformers", "target"], rows)]
     for shape, s in r["shapes"].items():
         if "kernels" not in s:
             continue
@@ -722,7 +720,8 @@ README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _l
                      "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "gpu_bench_h100.json": _line_gpu_bench,
-                     "gpu_bench_h100_b256.json": _line_gpu_bench, "gpu_bench_decode.json": _line_gpu_bench, "programs_latency.json": _line_programs_latency,
+                     "gpu_bench_h100_b256.json": _line_gpu_bench, "gpu_bench_decode.json": _line_gpu_bench,
+                     "programs_latency.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
                      "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load,
                      "programs_load_48_bf16.json": _line_programs_load})

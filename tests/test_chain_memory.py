@@ -1,8 +1,6 @@
 """A chain request's KV under memory pressure: admission reserves what a running chain will still add (its later
 texts and calls, continuation.Chain.tokens_after), and a lone running request is not aborted for memory while
 chains between two calls hold KV (they go back to the queue first)."""
-import pytest
-
 import lmc
 from lmc.runtime import continuation
 from lmc.runtime.core import Req, SamplingParams
