@@ -35,6 +35,8 @@ from .attention import ForwardBatch
 from .kernels import triton_ops
 from .memory import DUMMY_ROW
 
+assert DUMMY_ROW == 0  # the zero-initialized static inputs and _pad write the dummy step as zeros
+
 # An extend replays graphs, in chunks of at most this many rows (a bucket), while what the replays read beyond an
 # eager forward stays small: each new token, a decode row of its own, reads its whole context, where the eager
 # extend kernel reads it once per block of tokens, and each chunk after the first reads the weights again.
@@ -59,9 +61,9 @@ class DecodeGraphs:
         self.runner, self.max_bs = runner, max_bs
         dev = runner.device
         self.ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.rows = torch.full((max_bs,), DUMMY_ROW, dtype=torch.long, device=dev)
+        # A step's rows, positions and slots as the rows of one buffer, filled by one copy (replay's `inputs`).
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.long, device=dev)  # (zeros: the dummy step, _pad)
+        self.rows, self.positions, self.slots = self.inputs
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.arange = torch.arange(max_bs, device=dev)
         self.shared_prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the cascade graphs' prefix length
@@ -117,7 +119,8 @@ class DecodeGraphs:
     def _pad(self, lo: int, hi: int) -> None:
         """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, position 0, slot 0 (so sequence
         length 1 and the dummy slot, whatever token the graph's gather finds in the dummy row's buffer entry)."""
-        self.positions[lo:hi], self.slots[lo:hi], self.rows[lo:hi] = 0, 0, DUMMY_ROW
+        if hi > lo:  # one fill: the dummy row is row 0
+            self.inputs[:, lo:hi] = 0
 
     def replays_extend(self, num_tokens: int, max_seq_len: int) -> bool:
         """Whether an extend forward of `num_tokens` new tokens, none past position `max_seq_len`, replays graphs
@@ -157,27 +160,26 @@ class DecodeGraphs:
         graph, batch, logits = self.extend[bs]
         self.ids[:n].copy_(ids)
         self.ids[n:bs] = 0
-        self._fill(positions, slots, rows, bs)
+        self._fill(torch.stack([rows, positions, slots]), bs)
         self.runner.attn.prepare_replay(batch, n)
         graph.replay()
         return logits[:n]
 
-    def _fill(self, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, bs: int) -> None:
-        n = len(rows)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.rows[:n].copy_(rows)
+    def _fill(self, inputs: torch.Tensor, bs: int) -> None:
+        """The static buffers from [3, n] rows, positions and slots, in one copy; rows n..bs padded."""
+        n = inputs.shape[1]
+        self.inputs[:, :n].copy_(inputs)
         self._pad(n, bs)  # a previous larger batch may have left real rows there
 
     @torch.inference_mode()
-    def replay(self, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-               shared_prefix: int = 0) -> torch.Tensor:
-        """All tensor arguments are [n] device tensors of one decode step (its input ids are in the runner's token
-        buffer at `rows`; its slots are written into the slot table by the graph); `shared_prefix` as in ForwardBatch.
+    def replay(self, inputs: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+        """`inputs`: one decode step's [3, n] device tensor of its rows, positions and KV slots (its input ids are in
+        the runner's token buffer at the rows; its slots are written into the slot table by the graph);
+        `shared_prefix` as in ForwardBatch.
         Returns its [n, V] logits: a view of the graph's static buffer, valid until the next replay. Work queued
         on the stream before that replay (the step's sampling) may read it in place; a reader after it (logprobs,
         read when the step is collected) needs the copy that ModelRunner.launch takes for such steps."""
-        n = len(rows)
+        n = inputs.shape[1]
         bs = next(b for b in sorted(self.graphs) if b >= n)
         if self.runner.attn.reads_shared_prefix(n, shared_prefix, self.runner.kv):
             if bs not in self.cascade:  # before the buffers are filled: capture runs on the dummy step
@@ -186,7 +188,7 @@ class DecodeGraphs:
             self.shared_prefix.fill_(shared_prefix)
         else:
             graph, batch, logits = self.graphs[bs], self.batches[bs], self.logits[bs]
-        self._fill(positions, slots, rows, bs)
+        self._fill(inputs, bs)
         self.runner.attn.prepare_replay(batch, n)
         graph.replay()
         return logits[:n]

@@ -324,12 +324,13 @@ class ModelRunner:
         tw = sb.table_writes
         tw_rows, tw_cols = _table_write_index(tw)
         fb = sb.from_buffer
-        ints = (sb.rows + pre + ext + starts + [sb.rows[i] for i in sampled] + logit_pos + sb.input_ids
-                + [sb.rows[i] for i in fb] + [starts[i] for i in fb])
-        host = torch.cat([torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols, sb.out_slots.long(),
-                          *[s.long() for _, _, s in tw]])
-        sizes = [len(sb)] * 4 + [len(sampled), len(logit_pos), len(sb.input_ids), len(fb), len(fb), len(tw_rows),
-                                 len(tw_cols), len(sb.out_slots), len(tw_rows)]
+        ints = (ext + starts + [sb.rows[i] for i in sampled] + logit_pos + sb.input_ids + [sb.rows[i] for i in fb]
+                + [starts[i] for i in fb])
+        # rows, prefix lengths and slots first: a decode step's [3, n] inputs of its CUDA graph (cuda_graph.py)
+        host = torch.cat([torch.tensor(sb.rows + pre, dtype=torch.long), sb.out_slots.long(),
+                          torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols, *[s.long() for _, _, s in tw]])
+        sizes = [len(sb), len(sb), len(sb.out_slots), len(sb), len(sb), len(sampled), len(logit_pos),
+                 len(sb.input_ids), len(fb), len(fb), len(tw_rows), len(tw_cols), len(tw_rows)]
         shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots), sb.shared_prefix)
         forward = self._forward if self.tp is None else partial(self.tp.run_step, self._forward)
         fut = self._work.submit(forward, host, sizes, shape)
@@ -345,7 +346,7 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
-        (rows, pre, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows, tw_cols, slots,
+        (rows, pre, slots, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows, tw_cols,
          tw_vals) = torch.split(dev, sizes)
         if len(tw_rows):
             self.table[tw_rows, tw_cols] = tw_vals.to(torch.int32)
@@ -353,7 +354,7 @@ class ModelRunner:
             self.tp.share_tokens(self.token_buf)  # only rank 0 samples: the others read its buffer
         if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
             # the graph gathers the input ids and writes the slot table itself (cuda_graph.py)
-            return self.graphs.replay(pre, slots, rows, shared), sample_rows
+            return self.graphs.replay(dev[:3 * len(rows)].view(3, -1), shared), sample_rows
         seq = pre + ext
         if is_decode:
             positions, tok_rows, ids = pre, rows, self.token_buf[rows]

@@ -157,12 +157,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        """Returns logits (fp32) for the token positions in `ctx.logits_index` only."""
-        ctx.cos, ctx.sin = self.rope[0][ctx.positions], self.rope[1][ctx.positions]
+        """Returns logits (fp32) for the token positions in `ctx.logits_index` only (a decode's are all its rows, in
+        order: the runner samples every request of a decode step and asks no prompt logprobs of it)."""
+        ctx.cos, ctx.sin = self.rope[:, ctx.positions].unbind(0)  # one gather for both tables
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, ctx)
-        _, h = self.norm.add(residual[ctx.logits_index], h[ctx.logits_index])  # the last add, at logit rows only
+        if not ctx.is_decode:  # the last add at logit rows only; a decode step (a CUDA graph's too) gathers nothing
+            residual, h = residual[ctx.logits_index], h[ctx.logits_index]
+        _, h = self.norm.add(residual, h)
         return self.lm_head(h).float()
 
     def _shard_sizes(self, fused: str) -> list[int]:
