@@ -1,5 +1,6 @@
 """Test doubles (never used by lmc itself)."""
 import asyncio
+import contextlib
 import time
 
 from lmc.protocol import Capabilities, ChatTemplate, ChoicesDecision
@@ -86,3 +87,33 @@ class DelayedCalls:
         if first and self.fail_first:
             raise RuntimeError(self.message)
         return self.fn(*args, **kwargs)
+
+
+class SlowCompilerDouble:
+    """Test double around a GrammarCache's xgrammar compiler: compiling a regex of `slow` takes `delay` seconds
+    more (a sleep, which releases the GIL as xgrammar's C++ compile does); everything else is the real compiler's.
+    Real regexes that compile slowly are slow on some xgrammar builds and CPUs only (0.5 s on one, seconds on
+    another), so timing tests that need a slow compile make one with this."""
+
+    def __init__(self, compiler, slow: tuple[str, ...], delay: float):
+        self.compiler, self.slow, self.delay = compiler, slow, delay
+
+    def compile_regex(self, text):
+        if text in self.slow:
+            time.sleep(self.delay)
+        return self.compiler.compile_regex(text)
+
+    def __getattr__(self, name):
+        return getattr(self.compiler, name)
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls, cache, *slow: str, delay: float = 2.0):
+        """The double as a GrammarCache's compiler (an engine's: `engine.grammars`) for one test, the real one
+        restored after."""
+        real = cache._get_compiler()
+        cache._compiler = cls(real, slow, delay)
+        try:
+            yield
+        finally:
+            cache._compiler = real

@@ -1,5 +1,6 @@
 """The compiled-grammar cache (lmc/runtime/grammar.py): a bounded LRU, compile timeouts, and a bound on how many
 compilations may run at once (a timed-out one cannot be stopped)."""
+import re
 import threading
 import time
 
@@ -7,6 +8,8 @@ import pytest
 
 from lmc.runtime.core import RequestError
 from lmc.runtime.grammar import GrammarBusy, GrammarCache
+
+from doubles import SlowCompilerDouble
 
 pytest.importorskip("xgrammar")
 
@@ -43,18 +46,20 @@ def test_concurrent_requests_for_one_grammar_compile_it_once(engine):
 def test_a_slow_compile_times_out_and_compilations_in_flight_are_bounded(engine):
     c = _cache(engine, compile_timeout=0.2, max_compiling=2)
     c.compile("regex", "[0-9]")  # builds the compiler (not part of what is timed)
-    t0 = time.monotonic()
-    for n in (1201, 1202):
-        with pytest.raises(RequestError, match=r"invalid regex '\[a-z \]\{1,%d\}': it did not compile within 0.2 s"
-                           % n):
-            c.compile("regex", "[a-z ]{1,%d}" % n)
-    assert time.monotonic() - t0 < 2
-    if c.stats()["compiling"] == 2:  # both still running: a third grammar is refused at once
+    slow = ["[a-z ]{1,%d}" % n for n in (1201, 1202)]
+    with SlowCompilerDouble.installed(c, *slow):
+        t0 = time.monotonic()
+        for regex in slow:
+            with pytest.raises(RequestError, match=r"invalid regex '%s': it did not compile within 0.2 s"
+                               % re.escape(regex)):
+                c.compile("regex", regex)
+        assert time.monotonic() - t0 < 2
+        assert c.stats()["compiling"] == 2  # both still running: a third grammar is refused at once
         with pytest.raises(GrammarBusy, match="retry"):
             c.compile("regex", "[0-9]{2}")
-    deadline = time.monotonic() + 120
-    while c.stats()["compiling"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+        deadline = time.monotonic() + 120
+        while c.stats()["compiling"] and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert c.stats()["compiling"] == 0 and c.stats()["timeouts"] == 2
     assert ("regex", "[a-z ]{1,1201}") in c.compiled  # the work was finished, and kept
     assert c.compile("regex", "[0-9]{2}") is not None

@@ -1,7 +1,6 @@
 """`lmc serve` for real: the app on a loopback port (uvicorn in a thread) over the session engine, driven by the
 `openai` client and raw HTTP. One server for the module."""
 import asyncio
-import contextlib
 import json
 import re
 import time
@@ -13,6 +12,7 @@ import pytest
 from lmc.server import ServerThread, create_app
 
 from conftest import API_KEY as KEY
+from doubles import SlowCompilerDouble
 from hostile_requests import HOSTILE
 
 try:
@@ -534,41 +534,12 @@ def test_distinct_regexes_are_evicted_and_counted(http, engine):
         assert _metric(text, "grammar_compiles_total") >= 10
 
 
-class SlowCompilerDouble:
-    """Test double around the engine's xgrammar compiler: compiling the regex `slow` takes `delay` seconds more
-    (a sleep, which releases the GIL as xgrammar's C++ compile does); everything else is the real compiler's. Real
-    regexes that compile slowly are slow on some xgrammar builds and CPUs only (0.5 s on one, seconds on another)."""
-
-    def __init__(self, compiler, slow: str, delay: float):
-        self.compiler, self.slow, self.delay = compiler, slow, delay
-
-    def compile_regex(self, text):
-        if text == self.slow:
-            time.sleep(self.delay)
-        return self.compiler.compile_regex(text)
-
-    def __getattr__(self, name):
-        return getattr(self.compiler, name)
-
-    @classmethod
-    @contextlib.contextmanager
-    def installed(cls, engine, slow: str, delay: float = 2.0):
-        """The double as the session engine's compiler for one test, the real one restored after."""
-        cache = engine.grammars
-        real = cache._get_compiler()
-        cache._compiler = cls(real, slow, delay)
-        try:
-            yield
-        finally:
-            cache._compiler = real
-
-
 def _slow_regex(n: int) -> str:
     return "[a-z ]{1,%d}" % n  # a real compile (0.5 s to seconds by xgrammar build and CPU), which the double slows
 
 
 def test_grammar_compile_timeout_is_a_400_naming_the_constraint(http, engine):
-    with _GrammarLimits(engine, compile_timeout=0.2), SlowCompilerDouble.installed(engine, _slow_regex(3001)):
+    with _GrammarLimits(engine, compile_timeout=0.2), SlowCompilerDouble.installed(engine.grammars, _slow_regex(3001)):
         t0 = time.monotonic()
         r = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2,
                                                                          "regex": _slow_regex(3001)}})
@@ -599,7 +570,7 @@ def test_grammar_compilation_does_not_block_the_event_loop(server, http, engine)
                 await asyncio.sleep(0.02)
             return worst, time.perf_counter() - t0, await slow, await long
 
-    with SlowCompilerDouble.installed(engine, slow_regex):
+    with SlowCompilerDouble.installed(engine.grammars, slow_regex):
         worst, took, slow, long = asyncio.run(main())
     assert slow.status_code == 200 and long.status_code == 200, (slow.text, long.text)
     assert took > 2.0 and worst < took / 3, (worst, took)
