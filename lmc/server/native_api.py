@@ -10,6 +10,7 @@ of prompts, or n > 1) interleaves the events of all its requests, each marked wi
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -84,7 +85,7 @@ def router(svc: Service, enable_metrics: bool) -> APIRouter:
         return {**svc.server_args, "served_model_name": svc.model, "version": version(), "engine": "lmc",
                 "context_length": svc.engine.context_length, "max_total_num_tokens": svc.engine.max_total_tokens,
                 "in_flight_requests": svc.pending, "internal_states": [{**jsonable(stats), "slots": slots}],
-                "slots": slots}
+                "slots": slots, "gc_frozen_objects": gc.get_freeze_count()}
 
     @r.post("/flush_cache")  # POST only (SGLang's clients POST): a page cannot trigger it with a plain GET
     async def flush_cache():
