@@ -124,6 +124,8 @@ def profile_batch(eng, cfg, dev, batch, prompt_len, steps) -> dict:
     out["gpu_kernel_ms_per_step"] = sum(per.values()) / 1e3 / steps
     out["gpu_busy_share_of_window"] = busy_share([(s, e) for s, e, _ in dec], t0, t1)
     out["launches_per_step"] = sum(cnt.values()) / steps
+    out["idle_gaps"] = idle_gaps(dec, t0)
+    out["step_boundary"] = step_boundary(dec)
     out["top_kernels"] = [{"name": n[:110], "ms_per_step": t / 1e3 / steps, "per_step": cnt[n] / steps}
                           for n, t in per.most_common(18)]
     host = Counter()
@@ -198,6 +200,24 @@ def profile_few_shot(eng, cfg, dev, programs=128, prefix_len=1200, unique=60, ne
         out["idle_gaps"] = idle_gaps(kern, t0)
     out["host_profile"] = host_profile(lambda: gen(eng, progs, new), eng)
     return out
+
+
+def step_boundary(kern, before=10, after=3) -> list[dict]:
+    """The GPU work between two decode steps, at the middle step of the window: the kernels and copies around a
+    graph's first kernel (decode_inputs), each with its start and end relative to that kernel (us) and the idle
+    time before it. What the step costs outside its graph: sampling, the copies, the graph's launch."""
+    kern = sorted(kern)
+    firsts = [i for i, (_, _, n) in enumerate(kern) if "decode_inputs" in n]
+    if not firsts:
+        return []
+    i = firsts[len(firsts) // 2]
+    at = kern[i][0]
+    rows, prev_end = [], None
+    for s_, e_, n in kern[max(i - before, 0):i + after + 1]:
+        rows.append({"name": n[:60], "start_us": round(s_ - at, 1), "end_us": round(e_ - at, 1),
+                     "idle_before_us": None if prev_end is None else round(max(s_ - prev_end, 0), 1)})
+        prev_end = e_ if prev_end is None else max(prev_end, e_)
+    return rows
 
 
 def idle_gaps(kern, t0, top=16) -> list[dict]:

@@ -266,3 +266,40 @@ def decode_inputs(token_buf: torch.Tensor | None, table: torch.Tensor, rows: tor
                                                         positions, slots, ids, seq_lens, n, table.stride(0),
                                                         GATHER=token_buf is not None, BLOCK=block, num_warps=4,
                                                         **pdl_args(rows))
+
+
+@triton.jit
+def _greedy_tokens_kernel(x_ptr, out_ptr, rows_ptr, tok_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program r: the first index of row r's maximum (NaN counts as the maximum, as torch.argmax), stored in
+    out[r] and tok[rows[r]]. Each lane keeps the best of its columns over the row's BLOCK-wide chunks (a strict >,
+    so the earliest on ties), then one reduction picks the smallest index holding the row's best."""
+    grid_dependency(PDL)
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    base = x_ptr + r.to(tl.int64) * stride_x
+    best = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    idx = offs
+    for start in range(BLOCK, V, BLOCK):
+        o = start + offs
+        v = tl.load(base + o, mask=o < V, other=float("-inf")).to(tl.float32)
+        take = (v > best) | ((v != v) & (best == best))  # a NaN beats anything but an earlier NaN
+        best = tl.where(take, v, best)
+        idx = tl.where(take, o, idx)
+    nan = best != best
+    top = tl.where(tl.max(nan.to(tl.int32), 0) > 0, nan, best == tl.max(tl.where(nan, float("-inf"), best), 0))
+    first = tl.min(tl.where(top & (idx < V), idx, V), 0)
+    first = tl.where(first == V, 0, first)  # (no column at all: V == 0 is refused by the wrapper)
+    tl.store(out_ptr + r, first.to(out_ptr.dtype.element_ty))
+    tl.store(tok_ptr + tl.load(rows_ptr + r), first.to(tok_ptr.dtype.element_ty))
+
+
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, token_buf: torch.Tensor) -> None:
+    """out = logits.argmax(-1) and token_buf[rows] = out, in one launch: a decode CUDA graph's greedy tokens
+    (cuda_graph.py), where torch's argmax took 11 us at batch 1 (one row of 32,000) plus an index_put and their
+    launches outside the graph. One program per row: `logits` [n, V] with unit column stride."""
+    n, vocab = logits.shape
+    if vocab == 0 or logits.stride(1) != 1 or out.shape != (n,) or rows.shape != (n,):
+        raise ValueError("greedy_tokens needs logits [n, V > 0] with unit column stride, out and rows [n]")
+    if n:
+        _greedy_tokens_kernel[(n,)](logits, out, rows, token_buf, vocab, logits.stride(0), BLOCK=4096, num_warps=8,
+                                    **pdl_args(logits))
