@@ -144,25 +144,3 @@ def test_extends_past_the_largest_bucket_replay_in_chunks_and_equal_eager(gpu_en
         got, want = extend_outputs(graphs, shared, qs), extend_outputs(eager, shared, qs)
         assert chunks[:2] == [16, 16], f"the extend did not replay in chunks: {chunks}"
         assert_same_outputs(got, want, k)
-
-
-def test_a_decode_graphs_argmax_serves_plain_greedy_batches_only(gpu_engines, monkeypatch):
-    """A decode graph's own argmax (cuda_graph.py) is a plain greedy batch's tokens: its decode steps call no
-    sampler, only its prefill does. A batch with seeded sampling and a penalty samples as the eager engine does,
-    after the graph's write into the token buffer (which the sampled token replaces): the eager engine's tokens."""
-    from lmc.runtime import runner as runner_mod
-
-    graphs, eager = gpu_engines
-    calls = []
-    real = runner_mod.sample
-    monkeypatch.setattr(runner_mod, "sample", lambda x, reqs, eos: calls.append(len(reqs)) or real(x, reqs, eos))
-    ps = prompts(4, graphs.runner.cfg.vocab_size, seed=11)
-    before = graphs.scheduler.stats["prefill_forwards"]
-    plain = [r["output_ids"] for r in graphs.generate(input_ids=ps, sampling_params=PARAMS)]
-    assert len(calls) == graphs.scheduler.stats["prefill_forwards"] - before
-    mixed = [PARAMS, dict(PARAMS, temperature=0.9, seed=3), dict(PARAMS, frequency_penalty=1.5),
-             dict(PARAMS, temperature=1.0, top_k=8, seed=9)]
-    got = [r["output_ids"] for r in graphs.generate(input_ids=ps, sampling_params=mixed)]
-    assert len(calls) > graphs.scheduler.stats["prefill_forwards"] - before  # the mixed batch's decode steps sample
-    want = [r["output_ids"] for r in eager.generate(input_ids=ps, sampling_params=mixed)]
-    assert got == want and got[0] == plain[0]

@@ -185,39 +185,6 @@ def test_rope_qk_long_extend_runs_one_program_per_token():
         assert torch.equal(a[:2], b)
 
 
-@pytest.mark.parametrize("n,vocab", [(1, 100), (3, 4096), (5, 9000), (2, 49_152)])  # one chunk, exact, ragged
-def test_greedy_tokens_is_argmax_into_the_token_buffer(n, vocab):
-    """A decode graph's greedy tokens against torch.argmax (the first maximal index) at rows with planted ties in
-    different chunks, a row of -inf but one column, a row all -inf (argmax 0), a NaN (torch counts it the maximum)
-    and two NaNs (the first); each token lands in the token buffer at its row and nowhere else."""
-    dev = kernel_device(ops._greedy_tokens_kernel)
-    g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(n + 5, vocab, generator=g)
-    logits[0, [vocab // 3, vocab - 1]] = 1e4  # a tie: the earlier wins
-    logits[n + 4] = float("-inf")
-    logits[n + 4, vocab - 1] = 0.0
-    logits[n] = float("-inf")
-    logits[n + 1, vocab // 2] = float("nan")
-    logits[n + 2, [vocab - 1, vocab // 4]] = float("nan")
-    logits[n + 3, :] = logits[n + 3, 0]  # constant row
-    x = logits.to(dev)
-    rows = torch.randperm(3 * (n + 5), generator=g)[:n + 5].to(dev)
-    out, buf = torch.full((n + 5,), -1, device=dev), torch.full((3 * (n + 5),), -7, device=dev)
-    ref_out, ref_buf = out.clone(), buf.clone()
-    ops.greedy_tokens(x, out, rows, buf)
-    reference.greedy_tokens(x, ref_out, rows, ref_buf)
-    assert torch.equal(out, ref_out) and torch.equal(buf, ref_buf)
-    assert out[0].item() == vocab // 3 and out[n].item() == 0 and out[n + 3].item() == 0
-    assert out[n + 1].item() == vocab // 2 and out[n + 2].item() == vocab // 4 and out[n + 4].item() == vocab - 1
-
-
-def test_greedy_tokens_refuses_strided_logits():
-    x = torch.zeros(4, 6)
-    with pytest.raises(ValueError, match="unit column stride"):
-        ops.greedy_tokens(x.t(), torch.zeros(6, dtype=torch.long), torch.zeros(6, dtype=torch.long),
-                          torch.zeros(8, dtype=torch.long))
-
-
 @pytest.mark.parametrize("gather", [True, False])  # False: an extend graph's, whose ids were copied in
 @pytest.mark.parametrize("n,padding", [(1, 0), (5, 3), (300, 20)])  # 300 + 20: past one 256-row block
 def test_decode_inputs_gathers_ids_and_writes_only_the_new_slots(n, padding, gather):

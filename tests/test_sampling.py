@@ -1,11 +1,9 @@
 """The batched sampler (lmc/runtime/sampling.py) against per-request references written out row by row."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from lmc.runtime.core import Req, SamplingParams
-from lmc.runtime.sampling import argmax_only, sample, seeded_exponential
+from lmc.runtime.sampling import sample, seeded_exponential
 
 V = 64
 EOS = (2,)
@@ -140,24 +138,3 @@ def test_a_mixed_batch_samples_what_each_request_samples_alone():
             r.output_ids.append(trial)
         got = sample(rows.clone(), reqs, EOS).tolist()
         assert got == [reference_sample(rows[i], r) for i, r in enumerate(reqs)]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([0.0, 0.7]), st.sampled_from([1.0, 1.3]), st.sampled_from([0.0, 0.5]),
-                          st.sampled_from([0, 3]), st.sampled_from([{}, {4: 5.0}]), st.integers(0, 4)),
-                min_size=1, max_size=6), st.integers(0, 2 ** 16))
-def test_argmax_only_means_sample_is_the_raw_argmax(rows, seed):
-    """Where argmax_only says a batch asks nothing but each row's argmax (a decode graph's greedy tokens then serve,
-    runner.py), `sample` returns exactly that, and it says so for plain greedy batches; a batch with any temperature,
-    active penalty, min-tokens ban or logit bias is left to `sample`."""
-    g = torch.Generator().manual_seed(seed)
-    reqs = [req(list(range(3, 3 + n_out)), temperature=t, repetition_penalty=rep, frequency_penalty=freq,
-                min_new_tokens=min_new, logit_bias=bias, max_new_tokens=16)
-            for t, rep, freq, min_new, bias, n_out in rows]
-    logits = torch.randn(len(reqs), V, generator=g) * 3
-    logits[:, EOS[0]] += 4  # EOS often on top: a min-tokens ban would move the argmax
-    plain = all(t == 0 and rep == 1.0 and freq == 0 and n_out >= min_new and not bias
-                for t, rep, freq, min_new, bias, n_out in rows)
-    assert argmax_only(reqs) == plain
-    if plain:
-        assert torch.equal(sample(logits.clone(), reqs, EOS), logits.argmax(-1))

@@ -11,12 +11,6 @@ The graph's first kernel derives the rest from the rows, positions and slots (ke
 the input ids gathered from the token buffer, the sequence lengths, and the new tokens' slots written into the
 slot table, one launch inside the graph where these were five small launches and copies outside it.
 
-A decode graph ends with its greedy tokens (kernels/triton_ops.greedy_tokens): each row's argmax, in `greedy` and
-in the token buffer at its row, which is what the step's sampling does for a batch that asks nothing else
-(sampling.argmax_only): that step then only copies `greedy` to the host. Any other batch samples as an eager step
-does and writes the token buffer after the graph's write. At batch 1 on an H100 this saves an 11-us argmax, an
-index_put and their launches outside the graph (benchmarks/gpu_profile.py's step boundary).
-
 A batch whose requests share a long cached prefix (ForwardBatch.shared_prefix) replays a second graph of its
 bucket, captured on first use, whose attention reads that prefix once for the batch (the cascade of
 attention/triton_kernels.decode_attention), its length in a device int written before each replay.
@@ -67,7 +61,6 @@ class DecodeGraphs:
         self.runner, self.max_bs = runner, max_bs
         dev = runner.device
         self.ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.greedy = torch.zeros(max_bs, dtype=torch.long, device=dev)  # a decode replay's argmax tokens
         # A step's rows, positions and slots as the rows of one buffer, filled by one copy (replay's `inputs`).
         self.inputs = torch.zeros(3, max_bs, dtype=torch.long, device=dev)  # (zeros: the dummy step, _pad)
         self.rows, self.positions, self.slots = self.inputs
@@ -117,16 +110,11 @@ class DecodeGraphs:
         return g, batch, logits
 
     def _step(self, bs: int, batch: ForwardBatch, gather_ids: bool) -> torch.Tensor:
-        """What a graph runs: the step's inputs from its rows, positions and slots (module docstring), the forward,
-        and for a decode graph its greedy tokens (module docstring)."""
+        """What a graph runs: the step's inputs from its rows, positions and slots (module docstring), the forward."""
         r = self.runner
-        rows = self.rows[:bs]
-        triton_ops.decode_inputs(r.token_buf if gather_ids else None, r.table, rows, self.positions[:bs],
-                                 self.slots[:bs], self.ids[:bs], self.seq_lens[:bs])
-        logits = r.model(self.ids[:bs], batch)
-        if gather_ids:
-            triton_ops.greedy_tokens(logits, self.greedy[:bs], rows, r.token_buf)
-        return logits
+        triton_ops.decode_inputs(r.token_buf if gather_ids else None, r.table, self.rows[:bs], self.positions[:bs], self.slots[:bs],
+                                 self.ids[:bs], self.seq_lens[:bs])
+        return r.model(self.ids[:bs], batch)
 
     def _pad(self, lo: int, hi: int) -> None:
         """Rows [lo, hi) of the static buffers to the dummy step: the dummy row, position 0, slot 0 (so sequence

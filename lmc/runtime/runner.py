@@ -10,9 +10,7 @@ A step is split so that the host can work while the device computes (overlap sch
   Returns a handle at once.
 - `sample(handle, grammar_reqs)`: mask, sample, write the sampled ids into the token buffer (one entry per slot-
   table row: the request's last token, which its next decode step reads on the device), and start their copy to
-  the host. Separate from launch because a grammar's mask needs the previous step's token accepted first. A decode
-  graph has computed its rows' argmax and written it into the token buffer (cuda_graph.py): a batch that asks only
-  for that (sampling.argmax_only, no grammar) just copies it to the host.
+  the host. Separate from launch because a grammar's mask needs the previous step's token accepted first.
 - `collect(handle)`: wait for the sampled ids; logprobs for the requests that asked.
 On CUDA the device work is asynchronous by nature (one stream). On the CPU, with `threaded=True`, it runs on one
 worker thread in submission order, the CPU's stand-in for a stream; otherwise inline. Either way, errors raised by
@@ -28,7 +26,6 @@ import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
@@ -38,7 +35,7 @@ from .grammar import apply_grammar_masks
 from .memory import DUMMY_ROW, KVCache
 from .model.linear import prepack_linears
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
-from .sampling import argmax_only, sample, token_logprobs
+from .sampling import sample, token_logprobs
 
 
 @dataclass
@@ -147,7 +144,7 @@ class Launch:
     sb: ScheduledBatch
     sampled: list[int]  # requests that sample, in batch order
     spans: list[tuple[int, int, int]]
-    forward: Future  # -> ForwardOut
+    forward: Future  # -> (logits, device rows of the sampled requests)
     tokens: Future | None = None  # -> (host tensor of sampled ids, CUDA event or None)
 
 
@@ -170,15 +167,9 @@ def _table_write_index(tw: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.T
     return rows, torch.arange(len(rows)) + torch.repeat_interleave(first, lens)
 
 
-class ForwardOut(NamedTuple):
-    logits: torch.Tensor
-    sample_rows: torch.Tensor  # device rows of the sampled requests
-    greedy: torch.Tensor | None  # a decode graph's argmax tokens (cuda_graph.py), valid until the next replay
-
-
-def _own_logits(forward: Future) -> ForwardOut:
-    out = forward.result()
-    return out._replace(logits=out.logits.clone())
+def _own_logits(forward: Future) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, sample_rows = forward.result()
+    return logits.clone(), sample_rows
 
 
 class _Inline:
@@ -350,7 +341,7 @@ class ModelRunner:
         return Launch(sb, sampled, spans, fut)
 
     @torch.inference_mode()
-    def _forward(self, host: torch.Tensor, sizes: list[int], shape: tuple) -> ForwardOut:
+    def _forward(self, host: torch.Tensor, sizes: list[int], shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         is_decode, max_ext, max_seq, n_tok, shared = shape
         if self._pinned:
             host = host.pin_memory()
@@ -363,8 +354,7 @@ class ModelRunner:
             self.tp.share_tokens(self.token_buf)  # only rank 0 samples: the others read its buffer
         if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
             # the graph gathers the input ids and writes the slot table itself (cuda_graph.py)
-            logits = self.graphs.replay(dev[:3 * len(rows)].view(3, -1), shared)
-            return ForwardOut(logits, sample_rows, self.graphs.greedy[:len(rows)])
+            return self.graphs.replay(dev[:3 * len(rows)].view(3, -1), shared), sample_rows
         seq = pre + ext
         if is_decode:
             positions, tok_rows, ids = pre, rows, self.token_buf[rows]
@@ -378,15 +368,14 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.replays_extend(n_tok, max_seq):
                 # one decode row per new token, in replays of at most a bucket's rows (cuda_graph.py); the logits
                 # asked for are gathered out of the graphs' buffers, which the next replay overwrites
-                return ForwardOut(self.graphs.replay_extend(ids, positions, slots, tok_rows, logit_pos), sample_rows,
-                                  None)
+                return self.graphs.replay_extend(ids, positions, slots, tok_rows, logit_pos), sample_rows
         self.table[tok_rows, positions] = slots.to(torch.int32)
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,
             max_extend_len=max_ext, max_seq_len=max_seq, positions=positions, out_slots=slots,
             logits_index=logit_pos, kv_cache=self.kv, req_to_token=self.table, attn=self.attn, shared_prefix=shared)
         self.attn.prepare(batch)
-        return ForwardOut(self.step_model(ids, batch), sample_rows, None)
+        return self.step_model(ids, batch), sample_rows
 
     def sample(self, h: Launch, grammar_reqs: list) -> None:
         """Queue sampling of `h` after its forward. `grammar_reqs[i]`: the request whose grammar masks row i, or
@@ -396,17 +385,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample(self, h: Launch, grammar_reqs: list):
-        logits, sample_rows, greedy = h.forward.result()
+        logits, sample_rows = h.forward.result()
         n = len(h.sampled)
+        # Logprobs report the raw distribution: keep the raw rows when someone asks (masks apply in place).
+        x = logits[:n].clone() if h.sb.logprob_reqs else logits[:n]
         reqs = [h.sb.reqs[i] for i in h.sampled]
-        if greedy is not None and all(g is None for g in grammar_reqs) and argmax_only(reqs):
-            next_ids = greedy  # the graph wrote them into the token buffer too
-        else:
-            # Logprobs report the raw distribution: keep the raw rows when someone asks (masks apply in place).
-            x = logits[:n].clone() if h.sb.logprob_reqs else logits[:n]
-            apply_grammar_masks(x, grammar_reqs, self.cfg.vocab_size)
-            next_ids = sample(x, reqs, self.cfg.eos_token_ids)
-            self.token_buf[sample_rows] = next_ids
+        apply_grammar_masks(x, grammar_reqs, self.cfg.vocab_size)
+        next_ids = sample(x, reqs, self.cfg.eos_token_ids)
+        self.token_buf[sample_rows] = next_ids
         if not self._pinned:
             return next_ids, None
         out = torch.empty(n, dtype=next_ids.dtype, pin_memory=True)
@@ -440,7 +426,7 @@ class ModelRunner:
                                      f"{differs.nonzero().flatten()[:8].tolist()}")
 
     def collect(self, h: Launch) -> StepOutput:
-        logits = h.forward.result().logits
+        logits, _ = h.forward.result()
         n = len(h.sb)
         next_ids: list[int | None] = [None] * n
         if h.tokens is not None:

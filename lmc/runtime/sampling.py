@@ -173,14 +173,6 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def argmax_only(reqs: list[Req]) -> bool:
-    """Whether `sample` returns the raw logits' argmax for every one of `reqs` (unconstrained by a grammar): each
-    is greedy, with no penalty, no min-tokens ban and no logit_bias that would move its logits first. A decode CUDA
-    graph's own argmax then serves (runner.py)."""
-    return all(p.greedy and not p.logit_bias and len(r.output_ids) >= p.min_new_tokens and not (
-        p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0) for r in reqs for p in (r.params,))
-
-
 def sample(logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """logits: [B, V] fp32 (modified in place). Returns the sampled ids [B] (on logits' device)."""
     _penalize(logits, reqs)

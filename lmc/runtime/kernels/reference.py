@@ -54,9 +54,3 @@ def decode_inputs(token_buf, table, rows, positions, slots, ids, seq_lens) -> No
         ids.copy_(token_buf[rows])
     seq_lens.copy_(positions + 1)
     table[rows, positions] = slots.to(table.dtype)
-
-
-def greedy_tokens(logits, out, rows, token_buf) -> None:
-    """triton_ops.greedy_tokens in torch ops."""
-    out.copy_(logits.argmax(-1))
-    token_buf[rows] = out
