@@ -142,9 +142,17 @@ def test_select_fused_with_the_next_gen_matches_call_by_call(local, engine):
     off = _run(fused, be, engine, False, topic="the sun")
     before = engine.stats()["fused_selects"]
     counted.count = 0
-    on = _run(fused, be, engine, True, topic="the sun")
+    children = []  # (prompt logprobs recorded, positions from the first to the choice's end, prompt length)
+    engine.scheduler.on_call_end = lambda r, reason: r.logprob_end is not None and children.append(
+        (len(r.input_logprobs), r.logprob_end - r.logprob_start, len(r.input_ids)))
+    try:
+        on = _run(fused, be, engine, True, topic="the sun")
+    finally:
+        engine.scheduler.on_call_end = None
     assert counted.count == 1
     assert engine.stats()["fused_selects"] - before == 2  # round -> colour, big -> word; not far -> the regex
+    # each fused child's prompt logprobs stop after its choice: none over the gen's text it prefills on into
+    assert len(children) == 4 and all(got == want and want < n for got, want, n in children)
     assert on.variables() == off.variables() and on.text() == off.text()
     assert on.get_meta_info("word")["completion_tokens"] == 1
     for name in ("round", "big", "far"):  # scored from the same positions as the unfused select

@@ -32,7 +32,8 @@ decided by the step's method (lmc.protocol.decide); the chosen choice is the tex
   Select fusion: where the select is followed by a plain greedy gen (`fused_prompts`), each child prefills
   on through its choice into that gen's prompt and samples one token; the winner's prompt is the gen's prompt and
   its token the gen's first (greedy: what the gen's own first forward would pick), so the parent starts the gen
-  from there, one forward sooner. The choice is scored from the same positions as without fusion. Only where
+  from there, one forward sooner. The choice is scored from the same positions as without fusion (the child's
+  prompt logprobs stop after its choice: `Req.logprob_end`; the gen's text needs none). Only where
   the losing choices' share of the gen's text is short (FUSE_MAX_EXTRA_TOKENS): they compute it for nothing.
   Scoring by ids goes before fusion (`plan_select`): fusion would save the forward over the next gen's prompt,
   but every losing choice's child computes that prompt too. Except in a small forward (latency fusion,
@@ -108,9 +109,9 @@ class Chain:
     choice_logprobs: list | None = None
     scored: dict | None = None
     emitted: int = 0  # segments handed to the caller's stream so far (the engine's side)
-    # Select fusion (fused_prompts): per choice, the length of its own logprobs in its child's and the
-    # child's (prompt ids, sampled token); then the winner's, which the next gen starts from.
-    fused: tuple[list[int], list] | None = None
+    # Select fusion (fused_prompts): per choice, its child's (prompt ids, sampled token); then the winner's,
+    # which the next gen starts from.
+    fused: list | None = None
     first: tuple[list[int], int] | None = None
     # Latency fusion (latency_fusion) of the select running: its children go into one forward together, each
     # computing the text after the parent's KV, rather than one waiting a step to share it (in-batch dedup).
@@ -445,12 +446,14 @@ class Continuation:
         params = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=start)
         chain.fused, chain.latency_fused = None, plan.latency
         if fused is not None:  # each child goes on into the next call's prompt and samples its first token
-            prompts, chain.fused = fused, ([len(p) - start for p in prompts], [None] * len(prompts))
+            prompts, chain.fused = fused, [None] * len(prompts)
             params = replace(chain.steps[at + 1].gen, max_new_tokens=1, return_logprob=True, logprob_start_len=start)
             s.stats["fused_selects"] += 1
         for i, p in enumerate(prompts):
             child = Req(p, params, program=r.program)
             child.parent, child.choice = r, i
+            if fused is not None:
+                child.logprob_end = len(plan.prompts[i])  # the choice's own tokens: what decides
             s.waiting.insert(i, child)
         s.parked.append(r)
         s.stats["continuations"] += 1
@@ -517,11 +520,9 @@ class Continuation:
             self.s.parked.remove(parent)
             self.s.finish(parent, child.finish_reason)
             return
-        lps = child.input_logprobs
-        if chain.fused is not None:  # the choice's own positions; the child's sampled token, for the gen
-            lens, tokens = chain.fused
-            lps = lps[:lens[child.choice]]
-            tokens[child.choice] = (child.input_ids, child.output_ids[0]) if child.output_ids else None
+        lps = child.input_logprobs  # (a fused child's: its choice's positions only, Req.logprob_end)
+        if chain.fused is not None:  # the child's sampled token, for the gen
+            chain.fused[child.choice] = (child.input_ids, child.output_ids[0]) if child.output_ids else None
         chain.choice_logprobs[child.choice] = (lps, child.meta_info())
         if any(x is None for x in chain.choice_logprobs):
             return
@@ -531,7 +532,7 @@ class Continuation:
         d = decide(step.method, step.choices, [lps for lps, _ in chain.choice_logprobs])
         fused = chain.fused is not None
         if fused:
-            chain.first, chain.fused = chain.fused[1][step.choices.index(d.decision)], None
+            chain.first, chain.fused = chain.fused[step.choices.index(d.decision)], None
         metas = [m for _, m in chain.choice_logprobs]
         usage = {k: sum(m[k] for m in metas) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")}
         if fused:  # the children's sampled tokens are the gen's first (the winner's counts there): a select generates none

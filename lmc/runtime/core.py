@@ -226,6 +226,9 @@ class Req:
     chain: Any = None  # continuation.Chain: the LM calls this one request runs in a row (None: a single call)
     parent: Any = None  # the chain request whose select this one scores (one choice: `choice`), queued by the engine
     choice: int = -1
+    # Prompt logprobs stop before this token (None: the prompt's end). A fused select's child (continuation.py):
+    # its choice's tokens only, not the next call's text it prefills on into.
+    logprob_end: int | None = None
     fork_parent: Any = None  # the chain request whose fork this one is a branch of (continuation.py), engine-queued
     continuing_since: int = 0  # the scheduler's forward count when the chain last entered `continuing`
     # Jump-forward (jump_forward.py): tokens placed without sampling, tokens they replaced when the output was

@@ -314,10 +314,11 @@ class ModelRunner:
         starts = sb.extend_start
         sampled = [i for i, s in enumerate(sb.sample) if s]
         logit_pos = [starts[i] + ext[i] - 1 for i in sampled]
-        spans = []  # prompt logprobs: position p predicts token p + 1, for tokens logprob_start .. len(input) - 1
+        spans = []  # prompt logprobs: position p predicts token p + 1, for tokens logprob_start .. logprob_end - 1
         for i in sb.logprob_reqs:
             r = sb.reqs[i]
-            lo, hi = max(pre[i], r.logprob_start - 1), min(pre[i] + ext[i], len(r.input_ids) - 1)
+            end = len(r.input_ids) if r.logprob_end is None else r.logprob_end
+            lo, hi = max(pre[i], r.logprob_start - 1), min(pre[i] + ext[i], end - 1)
             if hi > lo:
                 spans.append((i, lo, hi - lo))
                 logit_pos.extend(range(starts[i] + lo - pre[i], starts[i] + hi - pre[i]))
