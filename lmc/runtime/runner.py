@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
 from .attention import ForwardBatch, make_backend
@@ -157,14 +158,17 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
 
 
 def _table_write_index(tw: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (row, column) of every slot-table write of `tw`, as two int64 tensors, built without Python lists: a
-    prefill that adopts a 1,200-token prefix for 127 requests writes 152k entries."""
+    """The (row, column) of every slot-table write of `tw` (row, first column, slots), as two int64 tensors, built
+    without per-entry Python: a prefill that adopts a 1,200-token prefix for 127 requests writes 152k entries. In
+    numpy, whose repeat costs ~1 us where torch's repeat_interleave on the CPU costs ~8 (0.16 against 1.8 ms for
+    those 127 writes, 6 against 22 us for an extend's one)."""
     if not tw:
         return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    lens = torch.tensor([len(s) for _, _, s in tw], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.tensor([row for row, _, _ in tw], dtype=torch.long), lens)
-    first = torch.tensor([start for _, start, _ in tw], dtype=torch.long) - (lens.cumsum(0) - lens)
-    return rows, torch.arange(len(rows)) + torch.repeat_interleave(first, lens)
+    lens = np.array([len(s) for _, _, s in tw], dtype=np.int64)
+    rows = np.repeat(np.array([row for row, _, _ in tw], dtype=np.int64), lens)
+    first = np.array([start for _, start, _ in tw], dtype=np.int64) - (np.cumsum(lens) - lens)
+    cols = np.arange(len(rows), dtype=np.int64) + np.repeat(first, lens)
+    return torch.from_numpy(rows), torch.from_numpy(cols)
 
 
 def _own_logits(forward: Future) -> tuple[torch.Tensor, torch.Tensor]:
