@@ -26,7 +26,7 @@ def test_models_lists_known_names():
     assert r.returncode == 0 and "dummy:llama-2-7b" in r.stdout and "smollm2-135m-instruct" in r.stdout
 
 
-def test_serve_freezes_its_start_up_heap():
+def test_serve_freezes_its_start_up_heap(tmp_path):
     """`lmc serve` leaves its start-up objects out of the collector's scans (launch.freeze_startup_heap): a full
     collection no longer walks the model and the app, and requests are served as before."""
     import time
@@ -41,12 +41,14 @@ def test_serve_freezes_its_start_up_heap():
             return json.loads(resp.read() or b"null")
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", "dummy:tiny", "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as err:  # a file, not a pipe nobody reads while the server runs
+        proc = subprocess.Popen([sys.executable, "-m", "lmc.cli", "serve", "--model", "dummy:tiny", "--port",
+                                 str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=err)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
         while True:
-            assert proc.poll() is None, proc.stderr.read()
+            assert proc.poll() is None, log.read_text()
             try:
                 call("/health")
                 break

@@ -160,8 +160,8 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
 def _table_write_index(tw: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, column) of every slot-table write of `tw` (row, first column, slots), as two int64 tensors, built
     without per-entry Python: a prefill that adopts a 1,200-token prefix for 127 requests writes 152k entries. In
-    numpy, whose repeat costs ~1 us where torch's repeat_interleave on the CPU costs ~8 (0.16 against 1.8 ms for
-    those 127 writes, 6 against 22 us for an extend's one)."""
+    numpy: 0.16 ms for those 127 writes and 6 us for an extend's one, where torch's CPU repeat_interleave took 1.8 ms
+    and 22 us."""
     if not tw:
         return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
     lens = np.array([len(s) for _, _, s in tw], dtype=np.int64)
