@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from .protocol import ApiError, GenerateRequest
 from .service import (Service, check_token_ids, json_object, jsonable, n_params, program_hints, slot_accounting,
@@ -231,4 +231,4 @@ async def _native_generate(svc: Service, req: GenerateRequest, request: Request)
     results = [_native_result(svc, out, req.return_text_in_logprobs, start) if not isinstance(out, BaseException)
                else {"text": "", "output_ids": [], "error": str(out),  # one failure leaves the batch standing
                      "meta_info": {"finish_reason": {"type": "abort", "message": str(out)}}} for out in outs]
-    return results[0] if single else results
+    return JSONResponse(results[0] if single else results)  # plain JSON, sent as is: no encoder walk

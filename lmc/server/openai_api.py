@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .service import Service, check_token_ids, n_params, program_hints, validate_params
@@ -68,8 +69,8 @@ def router(svc: Service) -> APIRouter:
             choices.append({"index": i, "text": (texts[k] if req.echo else "") + r["text"],
                             "logprobs": choice_logprobs(r["meta_info"], k), "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return _with_sglext(req, {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
-                                  "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])})
+        return _response(req, {"id": cid, "object": "text_completion", "created": created, "model": svc.model,
+                               "choices": choices, "usage": _usage(results, [len(x) for x in id_lists])})
 
     # ---- OpenAI: chat completions ------------------------------------------------------------------------
     @r.post("/v1/chat/completions")
@@ -132,8 +133,8 @@ def router(svc: Service) -> APIRouter:
                             "logprobs": _chat_logprobs(svc, r["meta_info"], top) if req.logprobs else None,
                             "finish_reason": _finish(r["meta_info"]),
                             "matched_stop": (r["meta_info"].get("finish_reason") or {}).get("matched")})
-        return _with_sglext(req, {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
-                                  "choices": choices, "usage": _usage(results, [len(ids)])})
+        return _response(req, {"id": cid, "object": "chat.completion", "created": created, "model": svc.model,
+                               "choices": choices, "usage": _usage(results, [len(ids)])})
 
     @r.get("/v1/models")
     async def models():
@@ -232,13 +233,14 @@ def _usage(results: list[dict], prompts: list[int]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
 
 
-def _with_sglext(req, response: dict) -> dict:
-    """SGLang's response extension: with return_cached_tokens_details, where the cached prompt tokens came from
-    (lmc's prefix cache is all in device memory: no host tier)."""
+def _response(req, response: dict) -> JSONResponse:
+    """The response, plain JSON data sent as is (FastAPI's encoder would walk every logprob), with SGLang's
+    extension where asked: with return_cached_tokens_details, where the cached prompt tokens came from (lmc's
+    prefix cache is all in device memory: no host tier)."""
     if req.return_cached_tokens_details:
         cached = response["usage"]["prompt_tokens_details"]["cached_tokens"]
         response["sglext"] = {"cached_tokens_details": {"device": cached, "host": 0}}
-    return response
+    return JSONResponse(response)
 
 
 def _chat_logprobs(svc: Service, meta: dict, top: int) -> dict:

@@ -37,7 +37,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..compiler.hosted import (ProgramLimits, ProgramRejected, check_arguments, check_program, load_program,
                                load_hints, program_defaults, program_name, run_instances)
@@ -132,7 +132,8 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
         finally:
             svc.pending -= len(arguments)
         usage = {k: sum(x["usage"][k] for x in instances) for k in instances[0]["usage"]}
-        return {"id": pid, "object": "program.run", "created": created, "program": program_name(program),
-                "instances": instances, "usage": usage, "latency": time.perf_counter() - start}
+        return JSONResponse({"id": pid, "object": "program.run", "created": created,  # plain JSON, sent as is
+                             "program": program_name(program), "instances": instances, "usage": usage,
+                             "latency": time.perf_counter() - start})
 
     return r
