@@ -681,8 +681,9 @@ def _line_gpu_bench(r: dict) -> str:
 
 
 def _line_programs_latency(r: dict) -> str:
-    return ("- One program instance through `lmc serve`, compiled over `POST /v1/programs` against interpreted over "
-            "`RuntimeEndpoint` (time ratio, median): "
+    where = "the CPU" if r.get("device", "cpu") == "cpu" else f"a lent {r['device']}"
+    return (f"- One program instance through `lmc serve` on {where}, compiled over `POST /v1/programs` against "
+            "interpreted over `RuntimeEndpoint` (time ratio, median): "
             + ", ".join(f"{w} {num(v['ratio']['median'])}x" for w, v in r["workloads"].items()) + ".")
 
 
@@ -722,6 +723,8 @@ README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _l
                      "gpu_bench.json": _line_gpu_bench, "gpu_bench_h100.json": _line_gpu_bench,
                      "gpu_bench_h100_b256.json": _line_gpu_bench, "gpu_bench_decode.json": _line_gpu_bench,
                      "programs_latency.json": _line_programs_latency,
+                     "programs_latency_h200.json": _line_programs_latency,
+                     "programs_latency_h100.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
                      "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load,
                      "programs_load_48_bf16.json": _line_programs_load})
