@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..compiler.hosted import (ProgramLimits, ProgramRejected, check_arguments, check_program, load_program,
                                load_hints, program_defaults, program_name, run_instances)
 from .protocol import ApiError, error_body
-from .service import Service, json_object
+from .service import Service, load_object
 from .sse import sse, unless_disconnected
 
 __all__ = ["ProgramLimits", "router"]
@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 _FIELDS = {"program", "arguments", "sampling", "stream", "states", "ops", "hints", "model"}
 
 
-def _prepare(svc: Service, body: dict, limits: ProgramLimits):
-    """(program, arguments, defaults, states, ops, hints) of a call, checked (in the worker pool: it parses)."""
+def _prepare(raw: bytes, limits: ProgramLimits):
+    """(body, program, arguments, defaults, states, ops, hints) of a call, checked (in the worker pool: it
+    parses)."""
+    body = load_object(raw)
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise ApiError(400, f"unknown field(s) {unknown}; /v1/programs takes {sorted(_FIELDS)}", unknown[0])
@@ -77,7 +79,7 @@ def _prepare(svc: Service, body: dict, limits: ProgramLimits):
         raise ApiError(400, "ops must map node ids to body operation numbers", "ops") from None
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
-    return program, arguments, defaults, states, ops, hints
+    return body, program, arguments, defaults, states, ops, hints
 
 
 def router(svc: Service, limits: ProgramLimits) -> APIRouter:
@@ -85,18 +87,19 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
     backend = None
 
     def local():
-        nonlocal backend
-        if backend is None:  # the engine as a program backend (lmc.Local), made on first use
-            from ..backend.local import Local
+        from ..backend.local import Local
 
-            backend = Local(engine=svc.engine)
-        return backend
+        return Local(engine=svc.engine)
 
     @r.post("/v1/programs")
     async def programs(request: Request):
-        body = await json_object(request, svc)
-        program, arguments, defaults, states, ops, hints = await svc.offload(_prepare, svc, body, limits)
-        be = await svc.offload(local)
+        nonlocal backend
+        # one trip to the worker pool: each is a thread hop, and a call's latency is what this route is for
+        body, program, arguments, defaults, states, ops, hints = await svc.offload(
+            _prepare, await request.body(), limits)
+        if backend is None:  # the engine as a program backend (lmc.Local), made on first use
+            backend = await svc.offload(local)
+        be = backend
         svc.admit(len(arguments))
         pid, created, start = f"prog-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
         head = {"id": pid, "object": "program.instance", "created": created, "program": program_name(program)}

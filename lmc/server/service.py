@@ -211,11 +211,16 @@ def structured(params: dict) -> bool:
     return any(params.get(k) is not None for k in ("regex", "json_schema", "ebnf"))
 
 # ---- what several routers check ----------------------------------------------------------------------------------
-async def json_object(request: Request, svc: Service) -> dict:
-    body = await svc.offload(load_json, await request.body())
+def load_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object (call it in the worker pool); ApiError(400) otherwise."""
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+async def json_object(request: Request, svc: Service) -> dict:
+    return await svc.offload(load_object, await request.body())
 
 
 def check_token_ids(svc: Service, ids: list[int], field: str) -> None:
