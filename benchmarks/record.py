@@ -62,10 +62,13 @@ def finish(prov: dict) -> dict:
 
 
 # What the machine was doing, for the provenance: the default describes the shared 2-core machine most records were
-# made on; LMC_MACHINE_NOTE replaces it when a run had the machine to itself (or anything else is worth saying).
+# made on (a larger one is a lent GPU machine, which runs one command at a time); LMC_MACHINE_NOTE replaces it when
+# anything else is worth saying.
 SHARED_MACHINE_NOTE = os.environ.get("LMC_MACHINE_NOTE") or (
     "2-core machine shared with other engineers' jobs while this ran: absolute times move with their load (see "
-    "load_avg_1m_*); systems alternate within each repetition")
+    "load_avg_1m_*); systems alternate within each repetition" if (os.cpu_count() or 1) <= 2 else
+    f"{os.cpu_count()}-CPU machine (a lent GPU machine runs one command at a time: nothing else ran); systems "
+    "alternate within each repetition")
 
 
 def jsonable(v):
