@@ -204,13 +204,12 @@ class Scheduler:
         requests that produced output (finished ones have `.finished`), those failed by a fault among them,
         finished with `.error` set."""
         self.out, self._early = self._early, []
-        sb = self._schedule_prefill() or self._schedule_decode()
-        if sb is None and self.continuing:  # nothing decodes after all: the chains waiting for company go now
-            sb = prefill.schedule_prefill(self, batch_chains=False)
-        new = self._launch(sb) if sb is not None else None
+        new = self._launch_next()
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self.out += self._complete(prev, new)
+            if new is None:  # nothing could go ahead of prev (its requests' ends were known before their tokens):
+                new = self._launch_next()  # what its outputs started (a chain's next call) goes now, not a loop later
         if new is not None:
             if new.redo:
                 self.out += self._run_sync(new.sb)
@@ -221,6 +220,12 @@ class Scheduler:
                 else:
                     self.out += self._complete(new, None)
         return self.out
+
+    def _launch_next(self) -> _InFlight | None:
+        sb = self._schedule_prefill() or self._schedule_decode()
+        if sb is None and self.continuing:  # nothing decodes after all: the chains waiting for company go now
+            sb = prefill.schedule_prefill(self, batch_chains=False)
+        return self._launch(sb) if sb is not None else None
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         return prefill.schedule_prefill(self)
