@@ -101,7 +101,7 @@ def main():
     srv = ServerThread(create_app(eng)).start()
     ep = lmc.RuntimeEndpoint(srv.url)
     res = {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "reps": args.reps, "phases": list(PHASES), "programs": {}}
+           "overlap": eng.overlap_schedule, "reps": args.reps, "phases": list(PHASES), "programs": {}}
     try:
         for name in args.programs.split(","):
             prog, kwargs = workloads()[name]
