@@ -37,4 +37,10 @@ HOSTILE = [  # (path, body, the field the error must name)
     ("/generate", b'{"text": ' + b"[" * 80 + b'"x"' + b"]" * 80 + b"}", "nested too deeply"),
     ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}", "digits"),
     ("/generate", {"text": "word " * 600_000}, "text has 3000000 characters"),
+    # /v1/programs parses its body with its checks, in one trip to the worker pool
+    ("/v1/programs", b'{"program": "\xff"}', "UTF-8"),
+    ("/v1/programs", b'[{"program": {}}]', "JSON object"),
+    ("/v1/programs", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("/v1/programs", b'{"program": {}, "arguments": [{"x": NaN}]}', "NaN"),
+    ("/v1/programs", {"arguments": [{}]}, "program"),
 ]
