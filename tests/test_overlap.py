@@ -197,6 +197,23 @@ def test_chains_and_their_forks_match(plain, overlapped):
     assert overlapped.load()["request_owned_slots"] == 0 and not overlapped.scheduler.forking
 
 
+def test_a_call_boundary_launches_the_next_call_without_an_empty_step(overlapped, monkeypatch):
+    """A chain whose gens end at max_tokens (known before their last token is): the step that collects a gen's last
+    token launches the chain's next call itself, so the instance takes one step per forward plus the last collect
+    (before, each of chain6's 6 boundaries cost a step that launched nothing while the device idled)."""
+    import lmc
+    from programs_support import chain
+
+    sched, steps = overlapped.scheduler, []
+    step = sched.step
+    monkeypatch.setattr(sched, "step", lambda: steps.append(1) or step())
+    forwards = sched.stats["forwards"]
+    state = chain.compile().run(topic="the moon", backend=lmc.Local(engine=overlapped), temperature=0)
+    assert state.error() is None
+    forwards = sched.stats["forwards"] - forwards
+    assert forwards >= 13 and len(steps) == forwards + 1, (len(steps), forwards)
+
+
 def test_forks_of_many_instances_on_a_tiny_engine(tight, plain):
     """12 instances forking 2 branches each after a gen, on an engine of 6 running requests and a pool of 160
     slots (eviction, retraction): all finish, with the outputs of the roomy engine, and leave no KV behind."""
