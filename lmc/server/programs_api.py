@@ -99,12 +99,11 @@ def router(svc: Service, limits: ProgramLimits) -> APIRouter:
             _prepare, await request.body(), limits)
         if backend is None:  # the engine as a program backend (lmc.Local), made on first use
             backend = await svc.offload(local)
-        be = backend
         svc.admit(len(arguments))
         pid, created, start = f"prog-{uuid.uuid4().hex}", int(time.time()), time.perf_counter()
         head = {"id": pid, "object": "program.instance", "created": created, "program": program_name(program)}
         streamed = bool(body.get("stream"))
-        runs = run_instances(program, arguments, be, defaults, states, ops, hints, variables=streamed)
+        runs = run_instances(program, arguments, backend, defaults, states, ops, hints, variables=streamed)
 
         if streamed:
             async def events():
