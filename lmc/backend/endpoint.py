@@ -17,6 +17,7 @@ from the model's own template (`chat_template_roles`), or the Jinja template its
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from dataclasses import replace
@@ -40,6 +41,7 @@ def _routing_headers() -> dict[str, str]:
     return {ROUTING_KEY_HEADER: instance_id(stream)}
 
 
+@functools.cache  # a failed import is not cached: each try would search sys.path again, on every request
 def _httpx():
     try:
         import httpx

@@ -47,10 +47,11 @@ def router(svc: Service, enable_metrics: bool) -> APIRouter:
             raise ApiError(400, "add_special_tokens must be a boolean", "add_special_tokens")
         if isinstance(prompt, str):
             ids = await svc.offload(svc.encode, prompt, add_special_tokens=special)
-            return {"tokens": ids, "count": len(ids), "max_model_len": svc.engine.context_length}
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": svc.engine.context_length})
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             ids = await svc.offload(lambda: [svc.encode(p, add_special_tokens=special) for p in prompt])
-            return {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": svc.engine.context_length}
+            return JSONResponse({"tokens": ids, "count": [len(x) for x in ids],
+                                 "max_model_len": svc.engine.context_length})
         raise ApiError(400, "prompt must be a string or a list of strings", "prompt")
 
     @r.post("/detokenize")
