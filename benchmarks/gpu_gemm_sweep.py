@@ -29,6 +29,8 @@ SHAPES = {  # name: (N, K)
     "llama-2-7b down": (4096, 11008), "llama-2-7b lm_head": (32000, 4096),
     "llama-3-8b qkv": (6144, 4096), "llama-3-8b o": (4096, 4096), "llama-3-8b gate_up": (28672, 4096),
     "llama-3-8b down": (4096, 14336), "llama-3-8b lm_head": (128256, 4096),
+    "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+    "smollm2 lm_head": (49152, 576),
 }
 CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in itertools.product((16, 32, 64), (128, 256, 512),
                                                                     ((4, 3), (4, 5), (8, 4)))]
@@ -55,7 +57,7 @@ def tiled_gemm(x, w, cfg):
     parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     counters = _COUNTERS if split > 1 else y
     _skinny_gemm_kernel[grid](x, w, y, parts, counters, m, n, k, k_split, x.stride(0), w.stride(0), y.stride(0),
-                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=False, SPLIT_K=split,
+                              y, y, 0, y, y, y, 0, 0, x, y, y, 0, 0.0, BLOCK_M=bm,  # no RoPE, no norm: unused BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=False, SPLIT_K=split,
                               PDL=False, num_warps=warps, num_stages=stages)
     return y
 
