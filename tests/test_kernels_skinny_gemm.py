@@ -106,72 +106,6 @@ def test_rope_epilogue_equals_the_gemm_then_rope_q_write_kv(dtype, m, hq, hkv, h
         torch.testing.assert_close(kc, kc2, rtol=2 * eps, atol=4 * eps * kc2.abs().max().item())
 
 
-def _norm_case(m, k, dtype, dev, seed, residual=True):
-    """x, a residual (or None) and a norm weight, scaled like a decoder's."""
-    x = rand(m, k, dtype=dtype, dev=dev, seed=seed)
-    r = rand(m, k, dtype=dtype, dev=dev, seed=seed + 1) * 2 if residual else None
-    return x, r, (1 + rand(k, dtype=torch.float32, dev=dev, seed=seed + 2) * 0.1).to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k,config,residual", [(1, 48, 64, (16, 32, 4, 2), True),
-                                                   (5, 70, 96, (32, 64, 4, 2), False),
-                                                   (17, 33, 200, (16, 64, 4, 3), True),
-                                                   (3, 40, 160, (16, 32, 4, 2, 3), True)])
-def test_norm_in_the_operand_load_equals_the_norm_kernel_then_the_gemm(dtype, m, n, k, config, residual):
-    """The RMSNorm (with its residual add) in the operand load: the stream is add_rms_norm's bit for bit (written
-    once, by column tile 0's split 0, also under split K: the last case), and the product is the plain GEMM of
-    add_rms_norm's output to within an ulp of the norm (its row statistics summed tile by tile, not in one
-    reduction: an fp32 ulp of 1/rms can move a rounding). Partial K tiles (96, 200 and 160 over 64 or 32), M past a
-    tile (17), no residual (the first layer: the stream is x itself)."""
-    from lmc.runtime.kernels import triton_ops
-
-    dev = kernel_device(sg._skinny_gemm_kernel)
-    x, r, nw = _norm_case(m, k, dtype, dev, seed=m, residual=residual)
-    w = rand(n, k, dtype=dtype, dev=dev, seed=m + 3)
-    stream, y = sg.skinny_gemm(x, w, config, norm=(r, nw, 1e-5))
-    h, normed = triton_ops.add_rms_norm(r, x, nw, 1e-5) if residual else (x, triton_ops.rms_norm(x, nw, 1e-5))
-    assert torch.equal(stream, h) and (residual or stream is x)
-    want = sg.skinny_gemm(normed, w, config)
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(y, want, rtol=4 * eps, atol=4 * eps * want.abs().max().item())
-    if len(config) > 4:
-        assert not sg._counters[y.device].any()
-
-
-@pytest.mark.parametrize("m,config", [(1, (32, 32, 4, 2)), (6, (32, 64, 4, 3))])
-def test_norm_with_the_gated_and_rope_epilogues(m, config):
-    """The norm in the operand load composes with each epilogue: the gated product and the QKV product with RoPE
-    and the KV write give what the norm kernel and then the same epilogue give."""
-    from lmc.runtime.kernels import triton_ops
-
-    dev, dt = kernel_device(sg._skinny_gemm_kernel), torch.float32
-    x, r, nw = _norm_case(m, 96, dt, dev, seed=40 + m)
-    h, normed = triton_ops.add_rms_norm(r, x, nw, 1e-6)
-    w = rand(2 * 40, 96, dtype=dt, dev=dev, seed=7)
-    stream, y = sg.skinny_gemm(x, w, config, gated=True, norm=(r, nw, 1e-6))
-    assert torch.equal(stream, h)
-    # (fp32: an ulp of 1/rms moves each of K products by an ulp, and the SiLU-mul multiplies two such sums)
-    assert rel(y, sg.skinny_gemm(normed, w, config, gated=True)) < 1e-6
-    _, w, cos, sin, slots, cache = _rope_case(m, 2, 1, 64, 96, dt, dev, seed=m)
-    kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
-    stream, q = sg.skinny_gemm_rope(x, w, config, cos, sin, 2, 1, 64, kc, vc, slots, norm=(r, nw, 1e-6))
-    want = sg.skinny_gemm_rope(normed, w, config, cos, sin, 2, 1, 64, kc2, vc2, slots)
-    assert torch.equal(stream, h)
-    for got, ref in ((q, want), (kc, kc2), (vc, vc2)):
-        assert rel(got, ref) < 1e-6
-
-
-def test_norm_in_the_operand_load_rejects_mismatched_operands():
-    dev = kernel_device(sg._skinny_gemm_kernel)
-    x, r, nw = _norm_case(2, 64, torch.float32, dev, seed=1)
-    w = rand(32, 64, dtype=torch.float32, dev=dev, seed=2)
-    with pytest.raises(ValueError, match="residual must be"):
-        sg.skinny_gemm(x, w, (16, 32, 4, 2), norm=(r[:1], nw, 1e-5))
-    with pytest.raises(ValueError, match="norm's weight"):
-        sg.skinny_gemm(x, w, (16, 32, 4, 2), norm=(r, nw[:10], 1e-5))
-
-
 def test_rope_epilogue_takes_only_tiles_within_half_a_head():
     assert sg.rope_tile_fits((32, 128, 4, 4), 128) and sg.rope_tile_fits((64, 512, 4, 3), 128)
     assert not sg.rope_tile_fits((32, 128, 4, 4, 2), 128)  # split K: no epilogue
@@ -205,33 +139,30 @@ def test_config_table_serves_only_decode_batches():
     assert sg.config_for(1, 12288, 4096) is not None  # llama-2-7b qkv at batch 1
     assert sg.config_for(sg.MAX_M + 1, 12288, 4096) is None and sg.config_for(0, 12288, 4096) is None
     assert sg.config_for(1, 12345, 4096) is None  # an unmeasured shape stays on cuBLAS
+    # SmolLM2's linears at batch <= 16 (measured at 1 and 4), each on the skinny GEMM; its lm-head stays on cuBLAS
+    assert all(sg.config_for(m, n, k) for m in (1, 4, 16) for n, k in ((960, 576), (576, 576), (3072, 576),
+                                                                      (576, 1536)))
+    assert sg.config_for(17, 960, 576) is None and sg.config_for(1, 49152, 576) is None
+    assert sg.rope_config_for(16, 960, 576, 64) is not None and sg.config_for(4, 3072, 576, gated=True) is not None
     # the gated product only where it measured faster: llama-3-8b's gate_up, not llama-2-7b's
     assert sg.config_for(8, 28672, 4096, gated=True) is not None and sg.config_for(8, 22016, 4096, gated=True) is None
     assert all(len(c) == 4 and c[0] >= 32 for c in sg.GATED_CONFIGS.values())  # unsplit, two 16-row halves at least
 
 
 def test_linear_falls_back_to_f_linear_off_the_gpu():
-    """Off the GPU the linears are F.linear, and a PendingNorm is the norm kernel's output, then the ops apart."""
     x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(kernels.linear(x, w), F.linear(x, w))
-    r, nw = torch.randn(3, 16), torch.rand(16) + 0.5
-    h, normed = kernels.add_rms_norm(r, x, nw, 1e-5)
-    stream, y = kernels.norm_linear_silu_mul(kernels.PendingNorm(r, x, nw, 1e-5), w)
-    assert torch.equal(stream, h) and torch.equal(y, kernels.silu_mul(F.linear(normed, w)))
-    stream, y = kernels.norm_linear_silu_mul(kernels.PendingNorm(None, x, nw, 1e-5), w)
-    assert stream is x and torch.equal(y, kernels.silu_mul(F.linear(kernels.rms_norm(x, nw, 1e-5), w)))
+    assert torch.equal(kernels.linear_silu_mul(x, w), kernels.silu_mul(F.linear(x, w)))
     x, w, cos, sin, slots, cache = _rope_case(3, 2, 1, 64, 16, torch.float32, torch.device("cpu"), seed=3)
-    h, normed = kernels.add_rms_norm(r, x, nw, 1e-5)
     kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
-    stream, q = kernels.norm_linear_rope_q_write_kv(kernels.PendingNorm(r, x, nw, 1e-5), w, cos, sin, 2, 1, 64, kc,
-                                                    vc, slots)
-    want = kernels.rope_q_write_kv(F.linear(normed, w), cos, sin, 2, 1, 64, kc2, vc2, slots)
-    assert torch.equal(stream, h) and torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    q = kernels.linear_rope_q_write_kv(x, w, cos, sin, 2, 1, 64, kc, vc, slots)
+    want = kernels.rope_q_write_kv(F.linear(x, w), cos, sin, 2, 1, 64, kc2, vc2, slots)
+    assert torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
-@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b"])
+@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b", "smollm2-135m"])
 @pytest.mark.parametrize("m", [1, 32, 64, 65])
 def test_linears_at_real_shapes_on_gpu(shape, m):
     """kernels.linear at the model's shapes in bf16 (the skinny kernel where the table says, cuBLAS elsewhere and
@@ -247,37 +178,28 @@ def test_linears_at_real_shapes_on_gpu(shape, m):
         assert rel(kernels.linear(x, w), F.linear(x, w)) < 1e-2
 
 
-def _pending(x):
-    """A PendingNorm of x alone with a unit weight, and its norm (what the linears read with FUSE_NORM off)."""
-    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    return kernels.PendingNorm(None, x, ones, 1e-6), kernels.rms_norm(x, ones, 1e-6)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
 @pytest.mark.parametrize("shape,m", [(s, m) for s in ("llama-2-7b", "llama-3-8b") for m in (1, 8, 16, 32)]
                          + [("smollm2-135m", m) for m in (1, 4, 16)])
 def test_gated_product_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
     """The gated product at the gate_up shapes in bf16 (the gated table's tile, else the plain one's) against the
     product and silu_mul as two kernels: the epilogue rounds where they round, so at most an ulp apart, and both
-    within bf16 rounding of a float64 reference; kernels.norm_linear_silu_mul takes whichever the tables say."""
+    within bf16 rounding of a float64 reference; kernels.linear_silu_mul takes whichever the tables say."""
     from lmc.runtime.model.loader import DUMMY_SHAPES
 
     c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
     d, inter = c["hidden_size"], c["intermediate_size"]
     cfg = sg.config_for(m, 2 * inter, d, gated=True) or sg.config_for(m, 2 * inter, d)
     x, w = rand(m, d, dtype=dt, dev=dev, seed=11) * 0.1, rand(2 * inter, d, dtype=dt, dev=dev, seed=12) * 0.1
-    pre, normed = _pending(x)
-    fused = sg.skinny_gemm(normed, w, cfg, gated=True)
-    monkeypatch.setattr(kernels, "FUSE_NORM", False)
+    fused = sg.skinny_gemm(x, w, cfg, gated=True)
     monkeypatch.setattr(kernels, "FUSE_SILU_MUL", False)
-    apart = kernels.norm_linear_silu_mul(pre, w)[1]
-    gate_up = normed.double() @ w.double().T
+    apart = kernels.linear_silu_mul(x, w)
+    gate_up = x.double() @ w.double().T
     want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     assert fused.shape == apart.shape == (m, inter)
     assert rel(fused, apart) < 4e-3 and rel(fused, want) < 1e-2
     monkeypatch.setattr(kernels, "FUSE_SILU_MUL", True)
-    gated = sg.config_for(m, 2 * inter, d, gated=True)
-    assert torch.equal(kernels.norm_linear_silu_mul(pre, w)[1], fused if gated else apart)
+    assert torch.equal(kernels.linear_silu_mul(x, w), fused if sg.config_for(m, 2 * inter, d, gated=True) else apart)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
@@ -285,8 +207,8 @@ def test_gated_product_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
 @pytest.mark.parametrize("m", [1, 8])
 def test_rope_epilogue_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
     """The QKV GEMM with RoPE and the KV write in its epilogue, compiled at the models' shapes in bf16 with the
-    table's tile: bit for bit the plain product and rope_q_write_kv (what kernels.norm_linear_rope_q_write_kv runs
-    with FUSE_ROPE off)."""
+    table's tile: bit for bit the plain product and rope_q_write_kv (what kernels.linear_rope_q_write_kv runs with
+    FUSE_ROPE off)."""
     from lmc.runtime.model.loader import DUMMY_SHAPES
 
     c, dev, dt = DUMMY_SHAPES[shape], torch.device("cuda"), torch.bfloat16
@@ -295,37 +217,10 @@ def test_rope_epilogue_equals_the_two_kernels_on_gpu(shape, m, monkeypatch):
     x, w, cos, sin, slots, cache = _rope_case(m, hq, hkv, hd, d, dt, dev, seed=20 + m)
     kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
     assert sg.rope_config_for(m, w.shape[0], d, hd) is not None
-    monkeypatch.setattr(kernels, "FUSE_NORM", False)
-    pre = _pending(x)[0]
-    q = kernels.norm_linear_rope_q_write_kv(pre, w, cos, sin, hq, hkv, hd, kc, vc, slots)[1]
+    q = kernels.linear_rope_q_write_kv(x, w, cos, sin, hq, hkv, hd, kc, vc, slots)
     monkeypatch.setattr(kernels, "FUSE_ROPE", False)
-    want = kernels.norm_linear_rope_q_write_kv(pre, w, cos, sin, hq, hkv, hd, kc2, vc2, slots)[1]
+    want = kernels.linear_rope_q_write_kv(x, w, cos, sin, hq, hkv, hd, kc2, vc2, slots)
     assert torch.equal(q, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need a GPU")
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_norm_in_the_operand_load_at_smollm2_shapes_on_gpu(m, monkeypatch):
-    """SmolLM2's sublayer inputs (K = 576) normalized in the gate_up and QKV GEMMs' operand loads, compiled in bf16:
-    the stream bit for bit add_rms_norm's, the outputs within an ulp's effect of the norm kernel's path."""
-    from lmc.runtime.model.loader import DUMMY_SHAPES
-
-    c, dev, dt = DUMMY_SHAPES["smollm2-135m"], torch.device("cuda"), torch.bfloat16
-    hq, hkv, d, inter = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"], c["intermediate_size"]
-    hd = d // hq
-    x, w, cos, sin, slots, cache = _rope_case(m, hq, hkv, hd, d, dt, dev, seed=30 + m)
-    r, nw = rand(m, d, dtype=dt, dev=dev, seed=31), (1 + rand(d, dtype=torch.float32, dev=dev, seed=32) * 0.1).to(dt)
-    pre = kernels.PendingNorm(r, x, nw, 1e-5)
-    w_gu = rand(2 * inter, d, dtype=dt, dev=dev, seed=33) * 0.1
-    kc, vc, kc2, vc2 = cache.clone(), cache.clone(), cache.clone(), cache.clone()
-    fused = (kernels.norm_linear_silu_mul(pre, w_gu),
-             kernels.norm_linear_rope_q_write_kv(pre, w, cos, sin, hq, hkv, hd, kc, vc, slots))
-    monkeypatch.setattr(kernels, "FUSE_NORM", False)
-    apart = (kernels.norm_linear_silu_mul(pre, w_gu),
-             kernels.norm_linear_rope_q_write_kv(pre, w, cos, sin, hq, hkv, hd, kc2, vc2, slots))
-    for (s1, y1), (s2, y2) in zip(fused, apart):
-        assert torch.equal(s1, s2) and rel(y1, y2) < 4e-3
-    assert rel(kc[slots], kc2[slots]) < 4e-3 and torch.equal(vc[slots].isfinite(), vc2[slots].isfinite())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -2,8 +2,7 @@
 and k in one pass over the QKV projection's output (with the new k and v written into the KV cache in the same
 pass, rope_q_write_kv); and the decode-sized linears (`linear`: a Triton skinny GEMM for the shapes where it measured
 faster than cuBLAS, skinny_gemm.py), with the MLP's SiLU-mul or the QKV projection's RoPE and KV write in its
-epilogue where it serves the shape, and the RMSNorm before either in its operand load where K is small
-(norm_linear_silu_mul, norm_linear_rope_q_write_kv: their input is a PendingNorm).
+epilogue where it serves the shape (linear_silu_mul, linear_rope_q_write_kv).
 
 Each op has one entry point here that takes the Triton kernel (triton_ops.py) for CUDA tensors, the C++ kernel
 (attention/cpu_kernel.py: one pass, where the reference takes 5-8 ops a call) for CPU tensors in eager mode (fp32,
@@ -14,8 +13,6 @@ activation dtype after each op) so that GPU results stay within an ulp of the re
 bf16 noise.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +49,7 @@ def _cpu_ops(x: torch.Tensor, *fp32: torch.Tensor):
 def fuses_kv_write(x: torch.Tensor) -> bool:
     """Whether the caller hands RoPE and the KV write of the QKV projection of `x` (its input or its output: both
     are fp32 or bf16 activations alike) to rope_q_write_kv (one kernel, where the cache is fp32 on the CPU; with the
-    GEMM in it on CUDA, norm_linear_rope_q_write_kv), or keeps them apart, as the compiled CPU forward does so that the
+    GEMM in it on CUDA, linear_rope_q_write_kv), or keeps them apart, as the compiled CPU forward does so that the
     write stays outside torch.compile's graphs."""
     return _fused(x) or _cpu_ops(x) is not None
 
@@ -68,86 +65,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-@dataclass(frozen=True)
-class PendingNorm:
-    """A sublayer's input, not yet computed: rms_norm(residual + x) with `weight` (of x alone where residual is None:
-    the first layer's embeddings), whose sum residual + x is the residual stream. The sublayer's first linear takes
-    it (norm_linear_silu_mul, norm_linear_rope_q_write_kv): on CUDA its skinny GEMM normalizes in the operand load
-    where it serves the shape and K is at most NORM_MAX_K (one launch less a sublayer); elsewhere `apply` runs the
-    norm's own kernel first. Either way the caller gets the stream back with the linear's output."""
-    residual: torch.Tensor | None
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    def apply(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, the norm), as add_rms_norm computes them (rms_norm without a residual)."""
-        if self.residual is None:
-            return self.x, rms_norm(self.x, self.weight, self.eps)
-        return add_rms_norm(self.residual, self.x, self.weight, self.eps)
-
-
-# Whether the skinny GEMM computes a PendingNorm in its operand load (an A/B switch, as FUSE_SILU_MUL), and up to
-# which K: each of its programs first re-reads its rows over all of K for their statistics, which costs little at
-# SmolLM2's K = 576 (its decode graph replayed with every norm skipped: 0.778 against 0.933 ms at batch 1 on an
-# H100, results/h100_probe/fusion_bound_smollm2.json) and much at a 7B's 4096 (1.6x slower steps:
-# results/h200_probe/step_ab6_norm_in_gemm.json).
-FUSE_NORM = True
-NORM_MAX_K = 1024
-
-
-def _skinny(launch, pre: PendingNorm, weight: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream, launch(input, weight, *args, **kwargs)) for a skinny_gemm launch: the norm in its operand load where
-    FUSE_NORM and NORM_MAX_K allow, else its own kernel first."""
-    if FUSE_NORM and weight.shape[1] <= NORM_MAX_K:
-        return launch(pre.x, weight, *args, norm=(pre.residual, pre.weight, pre.eps), **kwargs)
-    stream, x = pre.apply()
-    return stream, launch(x, weight, *args, **kwargs)
-
-
-# Whether norm_linear_silu_mul fuses the SiLU-mul into the skinny GEMM (an A/B switch: benchmarks/gpu_step_ab.py;
-# read at each call, so CUDA graphs captured after a change take the new value).
+# Whether linear_silu_mul fuses the SiLU-mul into the skinny GEMM (an A/B switch: benchmarks/gpu_step_ab.py; read at
+# each call, so CUDA graphs captured after a change take the new value).
 FUSE_SILU_MUL = True
 
 
-def norm_linear_silu_mul(pre: PendingNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream, silu_mul(linear(norm, weight))) for the MLP's gate_up weight [2I, K] (gate rows, then up rows) and
-    its input `pre`: one kernel on CUDA where the gated skinny GEMM measured faster than the product and silu_mul
-    (skinny_gemm.GATED_CONFIGS), the norm in it as PendingNorm says; else the ops apart."""
-    if _fused(pre.x):
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, weight)) for the MLP's gate_up weight [2I, K] (gate rows, then up rows): one kernel on
+    CUDA where the gated skinny GEMM measured faster than the two (skinny_gemm.GATED_CONFIGS), else the two ops."""
+    if FUSE_SILU_MUL and _fused(x):
         from . import skinny_gemm
 
-        m, (n, k) = pre.x.numel() // pre.x.shape[-1], weight.shape
-        gated = FUSE_SILU_MUL and skinny_gemm.config_for(m, n, k, gated=True)
-        cfg = gated or skinny_gemm.config_for(m, n, k)
+        cfg = skinny_gemm.config_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], gated=True)
         if cfg is not None:
-            stream, y = _skinny(skinny_gemm.skinny_gemm, pre, weight, cfg, gated=bool(gated))
-            return stream, y if gated else silu_mul(y)
-    stream, x = pre.apply()
-    return stream, silu_mul(linear(x, weight))
+            return skinny_gemm.skinny_gemm(x, weight, cfg, gated=True)
+    return silu_mul(linear(x, weight))
 
 
-# Whether norm_linear_rope_q_write_kv fuses RoPE and the KV write into the skinny GEMM (an A/B switch, as
-# FUSE_SILU_MUL).
+# Whether linear_rope_q_write_kv fuses RoPE and the KV write into the skinny GEMM (an A/B switch, as FUSE_SILU_MUL).
 FUSE_ROPE = True
 
 
-def norm_linear_rope_q_write_kv(pre: PendingNorm, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                num_q_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stream, rope_q_write_kv(linear(norm, weight), ...)) for the fused QKV weight and its input `pre`: one kernel
-    on CUDA where the skinny GEMM with its RoPE epilogue (q and k rotated, k and v written into the cache) measured
-    faster (skinny_gemm.rope_config_for), the norm in it as PendingNorm says; else the ops apart."""
-    args = (cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
-    if FUSE_ROPE and _fused(pre.x):
+def linear_rope_q_write_kv(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           num_q_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rope_q_write_kv(linear(x, weight), ...) for the fused QKV weight: one kernel on CUDA where the skinny GEMM
+    with its RoPE epilogue (q and k rotated, k and v written into the cache) measured faster
+    (skinny_gemm.rope_config_for), else the two."""
+    if FUSE_ROPE and _fused(x):
         from . import skinny_gemm
 
-        cfg = skinny_gemm.rope_config_for(pre.x.numel() // pre.x.shape[-1], weight.shape[0], weight.shape[1],
-                                          head_dim)
+        cfg = skinny_gemm.rope_config_for(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], head_dim)
         if cfg is not None:
-            return _skinny(skinny_gemm.skinny_gemm_rope, pre, weight, cfg, *args)
-    stream, x = pre.apply()
-    return stream, rope_q_write_kv(linear(x, weight), *args)
+            return skinny_gemm.skinny_gemm_rope(x, weight, cfg, cos, sin, num_q_heads, num_kv_heads, head_dim,
+                                                k_cache, v_cache, slots)
+    return rope_q_write_kv(linear(x, weight), cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                           slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

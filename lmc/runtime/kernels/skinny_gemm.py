@@ -40,10 +40,10 @@ MAX_M = 64
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
-                        COS, SIN, stride_cs, KC, VC, SLOTS, HQ, HKV, R, NW, HS, stride_rm, eps,
+                        COS, SIN, stride_cs, KC, VC, SLOTS, HQ, HKV,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         IEEE: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-                        BF16: tl.constexpr = False, ROPE: tl.constexpr = 0, NORM: tl.constexpr = 0):
+                        BF16: tl.constexpr = False, ROPE: tl.constexpr = 0):
     """Program (n, m, s): the [BLOCK_M, BLOCK_N] tile over K's range [s K_SPLIT, (s + 1) K_SPLIT). With SPLIT_K > 1
     each split stores its fp32 partial in P [SPLIT_K, M, N] and counts itself in C (one int32 per tile); the
     split that counts last sums the partials in split order (so the result is the same whichever is last), writes
@@ -55,11 +55,7 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
     rows j < BLOCK_N / 2 are one head's rows c0 + j of its first half, the others the same rows of its second half
     (the pairs rotate-half RoPE mixes); the epilogue rounds the product as the unfused GEMM stores it, rotates q and
     k rows by COS / SIN ([M, D] rows at stride_cs, the tokens' positions) as triton_ops.rope_q_write_kv does, and
-    stores q into Y ([M, HQ D]) and k, v into the layer's caches KC, VC ([slots, HKV, D]) at SLOTS[m].
-    NORM (the RMSNorm before the linear, in the operand load): 1, the operand is rms_norm(X) with weight NW; 2, it is
-    rms_norm(R + X) (R at stride_rm), and the programs of column tile 0 and split 0 write the sum, the residual
-    stream, into HS ([M, K]). Each program first sums its rows' squares over all of K (its split's range is not
-    enough), then normalizes each K tile it loads; the roundings are triton_ops._rms_norm_kernel's."""
+    stores q into Y ([M, HQ D]) and k, v into the layer's caches KC, VC ([slots, HKV, D]) at SLOTS[m]."""
     grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -88,26 +84,15 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    if NORM:
-        inv = _rms_inv(X, R, HS, offs_m, m_mask, K, stride_xm, stride_rm, eps, pid_n + pid_s,
-                       BLOCK_M, BLOCK_K, NORM == 2, BF16)
-        r_ptrs = R + offs_m.to(tl.int64)[:, None] * stride_rm + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            if NORM:
-                x = _normed(x, r_ptrs, NW + k + offs_k, inv, m_mask[:, None], offs_k >= 0, NORM == 2, BF16)
         else:
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if NORM:
-                x = _normed(x, r_ptrs, NW + k + offs_k, inv, m_mask[:, None] & k_mask[None, :], k_mask,
-                            NORM == 2, BF16)
-        if NORM:
-            r_ptrs += BLOCK_K
         if IEEE:  # fp32 operands: full precision, as F.linear in fp32 (Triton's default would be tf32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -166,40 +151,6 @@ def _skinny_gemm_kernel(X, W, Y, P, C, M, N, K, K_SPLIT, stride_xm, stride_wn, s
                 total += tl.load(P + s * M * N + mn, mask=mn_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mn_mask)
             tl.atomic_xchg(tile, 0)
-
-
-@triton.jit
-def _rms_inv(X, R, HS, offs_m, m_mask, K, stride_xm, stride_rm, eps, tile, BLOCK_M: tl.constexpr,
-             BLOCK_K: tl.constexpr, ADD: tl.constexpr, BF16: tl.constexpr):
-    """1 / rms of each row of X (ADD: of R + X, rounded as torch's add, whose rows the program of `tile` 0, column
-    tile 0's split 0, stores in HS [M, K]) over all of K: the norm's statistics, as triton_ops._rms_norm_kernel
-    computes them."""
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m64 = offs_m.to(tl.int64)[:, None]
-    writes = offs_m * 0 + tile == 0  # (a row vector: the interpreter takes no scalar in a store's mask)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = m_mask[:, None] & (cols < K)[None, :]
-        h = tl.load(X + m64 * stride_xm + cols[None, :], mask=mask, other=0.0)
-        if ADD:
-            r = tl.load(R + m64 * stride_rm + cols[None, :], mask=mask, other=0.0)
-            h = _round(r.to(tl.float32) + h.to(tl.float32), h.dtype, BF16)
-            tl.store(HS + m64 * K + cols[None, :], h, mask=mask & writes[:, None])
-        hf = h.to(tl.float32)
-        ss += tl.sum(hf * hf, axis=1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed(x, r_ptrs, nw_ptrs, inv, mask, k_mask, ADD: tl.constexpr, BF16: tl.constexpr):
-    """A K tile of the GEMM's operand: rms_norm(x) (ADD: of r + x) with weight nw, its rows scaled by `inv`
-    (_rms_inv), rounded where triton_ops._rms_norm_kernel rounds."""
-    ty = x.dtype
-    if ADD:
-        x = _round(tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32), ty, BF16)
-    normed = _round(x.to(tl.float32) * inv[:, None], ty, BF16)
-    nw = tl.load(nw_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-    return _round(nw[None, :] * normed.to(tl.float32), ty, BF16)
 
 
 def _block_m(m: int) -> int:
@@ -271,16 +222,12 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated: bool = False,
-                norm: tuple | None = None):
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated: bool = False) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]); SPLIT_K (default 1) programs share each tile's
     K range, for shapes with too few output tiles to fill the SMs (N = 4096 has 64 tiles of 64 columns).
     gated: w is [2I, K] (gate rows, then up rows) and the result silu(x gate^T) * (x up^T) [..., I]; `config` as
-    for the plain product, its BLOCK_N the weight rows a program reads (BLOCK_N / 2 outputs), and no split K.
-    norm: (residual or None, weight [K], eps): the operand is kernels.add_rms_norm(residual, x, weight, eps)'s norm
-    (rms_norm(x, ...) without a residual), computed in the operand load; then returns (the residual stream
-    residual + x, y), the stream as add_rms_norm returns it (x itself without a residual)."""
+    for the plain product, its BLOCK_N the weight rows a program reads (BLOCK_N / 2 outputs), and no split K."""
     x2, (m, n, k) = _operands(x, w)
     if gated:
         if n % 2 or config[4:] not in ((), (1,)) or config[0] < 32:
@@ -288,15 +235,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated
                              f"{tuple(w.shape)} and {config}")
         n //= 2
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    stream = _launch(x2, w, y, config, n, GATED=gated, norm=norm)
-    return _with_stream(x, norm, stream, y.view(*x.shape[:-1], n))
-
-
-def _with_stream(x: torch.Tensor, norm: tuple | None, stream: torch.Tensor | None, y: torch.Tensor):
-    """What a wrapper returns: y, or with a norm (stream, y), the stream x itself where the norm had no residual."""
-    if norm is None:
-        return y
-    return (x if stream is None else stream.view(x.shape)), y
+    _launch(x2, w, y, config, n, GATED=gated)
+    return y.view(*x.shape[:-1], n)
 
 
 # (N, K) of a fused QKV weight -> the largest M whose decode step ran faster with RoPE and the KV write in the
@@ -328,11 +268,11 @@ def rope_tile_fits(config: tuple[int, ...], head_dim: int) -> bool:
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
 def skinny_gemm_rope(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], cos: torch.Tensor,
                      sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, norm: tuple | None = None):
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """triton_ops.rope_q_write_kv(x @ w^T, ...) in one kernel: w is the fused QKV weight [(Hq + 2 Hkv) D, K]; q
     [M, Hq, D] is returned and the rotated k and the v of each token written into one layer's caches
     ([num_slots, Hkv, D]) at its slot, with the unfused ops' roundings. `config`: a plain tile that
-    rope_tile_fits. norm: as skinny_gemm's (then returns (stream, q))."""
+    rope_tile_fits."""
     x2, (m, n, k) = _operands(x, w)
     if n != (num_q_heads + 2 * num_kv_heads) * head_dim or not rope_tile_fits(config, head_dim):
         want = (num_q_heads + 2 * num_kv_heads) * head_dim
@@ -345,9 +285,8 @@ def skinny_gemm_rope(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], 
             or slots.shape != (m,)):
         raise ValueError("k/v caches must be contiguous [num_slots, Hkv, D] of x's dtype, and slots [M]")
     q = torch.empty(m, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
-    stream = _launch(x2, w, q, config, n, rope=(cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads,
-                                                head_dim), norm=norm)
-    return _with_stream(x, norm, stream, q)
+    _launch(x2, w, q, config, n, rope=(cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, head_dim))
+    return q
 
 
 def _operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -363,24 +302,11 @@ def _operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tuple[int
 
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[int, ...], n: int,
-            GATED: bool = False, rope: tuple | None = None, norm: tuple | None = None) -> torch.Tensor | None:
-    """Launch the kernel for x2 [M, K] @ w^T into y ([M, n] outputs; n: the output width, I for a gated product).
-    norm: (residual or None, weight, eps), the RMSNorm of x2 (of residual + x2) in the operand load; returns the
-    residual stream residual + x2 where there is a residual, else None."""
+            GATED: bool = False, rope: tuple | None = None) -> None:
+    """Launch the kernel for x2 [M, K] @ w^T into y ([M, n] outputs; n: the output width, I for a gated product)."""
     m, k = x2.shape
-    stream = None
-    if norm is not None:
-        residual, norm_w, eps = norm
-        if residual is not None:
-            residual = residual.reshape(-1, k)
-            if residual.shape != x2.shape or residual.stride(-1) != 1:
-                raise ValueError(f"the residual must be [M, K] = {tuple(x2.shape)} with unit stride in K, "
-                                 f"got {tuple(residual.shape)}")
-            stream = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        if norm_w.shape != (k,) or not norm_w.is_contiguous():
-            raise ValueError(f"the norm's weight must be [{k}], got {tuple(norm_w.shape)}")
     if not m:
-        return stream
+        return
     block_n, block_k, warps, stages, *rest = config
     split = rest[0] if rest else 1
     block_m = _block_m(m)
@@ -393,14 +319,9 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[in
     else:
         parts = counters = y  # unused
     cos, sin, kc, vc, slots, hq, hkv, hd = rope or (y, y, y, y, y, 0, 0, 0)  # (unused without RoPE)
-    res, norm_w, eps = norm or (None, y, 0.0)
-    r = res if res is not None else x2  # (unused without the residual add)
     _skinny_gemm_kernel[grid](x2, w, y, parts, counters, m, n, k, k_split, x2.stride(0), w.stride(0),
-                              y.stride(0), cos, sin, cos.stride(0), kc, vc, slots, hq, hkv, r, norm_w,
-                              stream if stream is not None else y, r.stride(0), eps, BLOCK_M=block_m,
+                              y.stride(0), cos, sin, cos.stride(0), kc, vc, slots, hq, hkv, BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                               IEEE=x2.dtype == torch.float32, SPLIT_K=split, GATED=GATED,
-                              BF16=x2.dtype == torch.bfloat16, ROPE=hd,
-                              NORM=0 if norm is None else 1 if res is None else 2, num_warps=warps,
-                              num_stages=stages, **pdl_args(x2))
-    return stream
+                              BF16=x2.dtype == torch.bfloat16, ROPE=hd, num_warps=warps, num_stages=stages,
+                              **pdl_args(x2))

@@ -148,25 +148,22 @@ class Linear(nn.Module):
             return _compile_op(x, self.packed, self.bias)
         return _onednn_linear(x, self.packed, self.bias)
 
-    def silu_mul(self, pre: kernels.PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, kernels.silu_mul(self(norm))) for a gate_up layer (gate rows, then up rows) and its
-        input `pre`: one kernel where the GPU's decode GEMM serves the product (kernels.norm_linear_silu_mul)."""
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels.silu_mul(self(x)) for a gate_up layer (gate rows, then up rows): one kernel where the GPU's
+        decode GEMM serves the product (kernels.linear_silu_mul)."""
         if self.packed is None and self.bias is None:
-            return kernels.norm_linear_silu_mul(pre, self.weight)
-        stream, x = pre.apply()
-        return stream, kernels.silu_mul(self(x))
+            return kernels.linear_silu_mul(x, self.weight)
+        return kernels.silu_mul(self(x))
 
-    def rope_q_write_kv(self, pre: kernels.PendingNorm, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+    def rope_q_write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                         num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, kernels.rope_q_write_kv(self(norm), ...)) for a QKV layer and its input `pre`: one
-        kernel where the GPU's decode GEMM serves the product (kernels.norm_linear_rope_q_write_kv). Returns q
-        with the stream."""
+                        slots: torch.Tensor) -> torch.Tensor:
+        """kernels.rope_q_write_kv(self(x), ...) for a QKV layer: one kernel where the GPU's decode GEMM serves the
+        product (kernels.linear_rope_q_write_kv). Returns q."""
         args = (cos, sin, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache, slots)
         if self.packed is None and self.bias is None:
-            return kernels.norm_linear_rope_q_write_kv(pre, self.weight, *args)
-        stream, x = pre.apply()
-        return stream, kernels.rope_q_write_kv(self(x), *args)
+            return kernels.linear_rope_q_write_kv(x, self.weight, *args)
+        return kernels.rope_q_write_kv(self(x), *args)
 
     def extra_repr(self) -> str:
         packed = "panels" if self.panels else self.packed is not None and str(self.matmul_dtype).split(".")[-1]

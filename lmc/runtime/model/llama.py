@@ -72,10 +72,6 @@ class RMSNorm(nn.Module):
         """(residual + x, its norm): the residual add fused into the norm that reads it."""
         return kernels.add_rms_norm(residual, x, self.weight, self.eps)
 
-    def pending(self, residual: torch.Tensor | None, x: torch.Tensor) -> kernels.PendingNorm:
-        """This norm of residual + x (of x without a residual), left to the linear that reads it."""
-        return kernels.PendingNorm(residual, x, self.weight, self.eps)
-
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, ctx) -> torch.Tensor:
     """Write the new tokens' K/V into the slot-indexed pool, then attend. Kept outside any torch.compile graph
@@ -95,18 +91,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, pre: kernels.PendingNorm, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, the attention's output) for the sublayer's input `pre`."""
-        if kernels.fuses_kv_write(pre.x):  # RoPE and the KV-cache write in one kernel (with the GEMM, where it can)
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if kernels.fuses_kv_write(x):  # RoPE and the KV-cache write in one kernel (with the GEMM, where it can)
             kv = ctx.kv_cache
-            residual, q = self.qkv_proj.rope_q_write_kv(pre, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd,
-                                                        kv.k[self.layer_id], kv.v[self.layer_id], ctx.out_slots)
+            q = self.qkv_proj.rope_q_write_kv(x, ctx.cos, ctx.sin, self.nq, self.nkv, self.hd, kv.k[self.layer_id],
+                                              kv.v[self.layer_id], ctx.out_slots)
             o = ctx.attn.forward(q, self.layer_id, ctx)
         else:
-            residual, x = pre.apply()
             q, k, v = kernels.rope_qk(self.qkv_proj(x), ctx.cos, ctx.sin, self.nq, self.nkv, self.hd)
             o = attend(q, k, v, self.layer_id, ctx)
-        return residual, self.o_proj(o.reshape(-1, self.nq * self.hd))
+        return self.o_proj(o.reshape(-1, self.nq * self.hd))
 
 
 class MLP(nn.Module):
@@ -115,10 +109,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, pre: kernels.PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, the MLP's output) for the sublayer's input `pre`."""
-        residual, a = self.gate_up_proj.silu_mul(pre)
-        return residual, self.down_proj(a)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
@@ -132,11 +124,13 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's MLP output, not yet added to the residual stream (layer 0: the embeddings, with
         `residual` None). Returns this layer's MLP output and the stream before it: each residual add happens
-        inside the norm that reads its result (the sums, and so the numerics, are transformers' own), and each norm
-        inside the linear that reads it where the GPU's decode GEMM can (kernels.PendingNorm)."""
-        residual, a = self.self_attn(self.input_layernorm.pending(residual, h), ctx)
-        residual, m = self.mlp(self.post_attention_layernorm.pending(residual, a))
-        return m, residual
+        inside the norm that reads its result (the sums, and so the numerics, are transformers' own)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add(residual, h)
+        residual, x = self.post_attention_layernorm.add(residual, self.self_attn(x, ctx))
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
