@@ -2,8 +2,7 @@
 launch of the Triton kernels (kernels/launch.py) on, off and in CUDA graphs only, decode stage 1's key tile when few programs run
 (attention/triton_kernels._decode_block_n: 128 keys for bf16 D=128, against 64), and the MLP's SiLU-mul in the
 gate_up GEMM's epilogue against its own kernel (kernels.FUSE_SILU_MUL), and RoPE with the KV write in the QKV GEMM's
-epilogue against its own kernel (kernels.FUSE_ROPE), and split decode attention merged in stage 1 against a
-stage-2 launch (triton_kernels.MERGE_SPLITS, for the shapes of its MERGE_SHAPES).
+epilogue against its own kernel (kernels.FUSE_ROPE).
 
 Each variant gets its own CUDA graphs (captured with its switches set); the variants then alternate, `--rounds`
 times: the decode graph of each bucket replayed alone (ms, CUDA events), wall ms per decode step as gpu_bench
@@ -35,15 +34,14 @@ from lmc.runtime.kernels import launch  # noqa: E402
 
 _BLOCK_N = triton_kernels._decode_block_n
 # name -> (launch.MODE, stage 1's key tile for few programs: None = _decode_block_n's, kernels.FUSE_SILU_MUL,
-# kernels.FUSE_ROPE, triton_kernels.MERGE_SPLITS)
-VARIANTS = {"base": ("off", None, True, True, True), "pdl": ("on", None, True, True, True),
-            "pdl_graphs": ("graphs", None, True, True, True), "pdl_bn64": ("on", 64, True, True, True),
-            "pdl_silu_apart": ("on", None, False, True, True), "pdl_rope_apart": ("on", None, True, False, True),
-            "pdl_stage2": ("on", None, True, True, False)}
+# kernels.FUSE_ROPE)
+VARIANTS = {"base": ("off", None, True, True), "pdl": ("on", None, True, True),
+            "pdl_graphs": ("graphs", None, True, True), "pdl_bn64": ("on", 64, True, True),
+            "pdl_silu_apart": ("on", None, False, True), "pdl_rope_apart": ("on", None, True, False)}
 
 
 def set_variant(name: str) -> None:
-    launch.MODE, block_n, kernels.FUSE_SILU_MUL, kernels.FUSE_ROPE, triton_kernels.MERGE_SPLITS = VARIANTS[name]
+    launch.MODE, block_n, kernels.FUSE_SILU_MUL, kernels.FUSE_ROPE = VARIANTS[name]
     triton_kernels._decode_block_n = _BLOCK_N if block_n is None else (lambda row_bytes, n=block_n: n)
 
 

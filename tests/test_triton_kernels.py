@@ -158,37 +158,6 @@ def test_decode_attention_in_one_split_writes_the_output_in_stage_1(monkeypatch)
     run_decode([1, 37, 100], num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=100)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_decode_merged_in_stage_1(monkeypatch, dtype):
-    """SmolLM2's heads (9 q, 3 kv, D=64: MERGE_SHAPES) merge their splits in stage 1, no stage-2 launch: the last
-    non-empty split of each request and KV head merges (a length bound of 2,000 over 128-key tiles: 16 splits, 1 to
-    4 of them non-empty). Twice in a row: the second launch finds the counters reset."""
-    from lmc.runtime.kernels import launch
-
-    monkeypatch.setattr(tk, "_decode_stage2_kernel", NoStage2())
-    for seed_lens in ([1, 37, 300, 500], [129, 2]):
-        run_decode(seed_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, max_seq_len=2000)
-    counts = launch._counters[next(d for d, owner in launch._counters if owner == "decode_attention"),
-                              "decode_attention"]
-    assert not counts.any()
-
-
-def test_split_decode_merge_is_switched_off_by_its_switch(monkeypatch):
-    """With MERGE_SPLITS off the same heads take stage 2 (the A/B baseline)."""
-    launched = []
-
-    class Stage2Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    real = tk._decode_stage2_kernel
-    monkeypatch.setattr(tk, "MERGE_SPLITS", False)
-    monkeypatch.setattr(tk, "_decode_stage2_kernel", Stage2Spy())
-    run_decode([1, 37, 300], num_heads=9, num_kv_heads=3, head_dim=64, max_seq_len=2000)
-    assert launched
-
-
 def test_decode_attention_split_k():
     # One long request: the grid splits its 1000 keys across several programs.
     run_decode([1000], num_heads=8, num_kv_heads=2, head_dim=128)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.launch import grid_dependency, pdl_args, zeroed_counters
+from ..kernels.launch import grid_dependency, pdl_args
 
 _LOG2E = 1.4426950408889634
 
@@ -32,12 +32,6 @@ _DECODE_MAX_SPLITS = 64
 # Query heads of one KV group are padded to 16 rows, the smallest M that tl.dot
 # accepts on tensor cores.
 _DECODE_MIN_BLOCK_H = 16
-# (Hq, Hkv, D) whose split decode merges its splits in stage 1 (the last split of each request and KV head, a
-# group's heads in one program) instead of a stage-2 launch, and an A/B switch for it (read at each call, so CUDA
-# graphs captured after a change take the new value). Only where it measured faster: llama-3-8b at batch 1 took
-# 4.68 against 4.56 ms a step merged (its 4 heads of 128 serialized in one program; results/h200_probe/step_ab.json).
-MERGE_SHAPES: set[tuple[int, int, int]] = {(9, 3, 64)}  # SmolLM2-135M
-MERGE_SPLITS = True
 
 
 def _extend_config(row_bytes: int, max_extend_len: int):
@@ -201,19 +195,17 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O, Count,
+    Q, K, V, ReqToToken, Rows, SeqLens, PartAcc, PartLse, O,
     qk_scale, kv_start, KvStartPtr,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_req,
     stride_pab, stride_pah, stride_pas, stride_plb, stride_plh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
     PREFIX_PTR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr = False,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Keys [kv_start, seq_len) of each request, split NUM_SPLITS ways; kv_start > 0 when a shared prefix's keys
     [0, kv_start) are _decode_prefix_kernel's (HAS_PREFIX: their partials follow the splits, stage 2 merges).
-    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead.
-    MERGE (no prefix): instead of a stage-2 launch, each (request, KV head)'s non-empty splits count themselves in
-    Count and the last to finish merges the group's partials into O (_merge_splits)."""
+    PREFIX_PTR (CUDA graphs): kv_start is read from the device int KvStartPtr instead."""
     grid_dependency(PDL)
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -230,7 +222,7 @@ def _decode_stage1_kernel(
         start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:
-        return  # stage 2 (or the merging split) recomputes which splits are empty and skips them
+        return  # stage 2 recomputes which splits are empty and skips them
     slot_row = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_req
 
     # All query heads of this KV group share one program, so each K/V tile is
@@ -264,39 +256,6 @@ def _decode_stage1_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
         )
         tl.store(PartLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            _merge_splits(PartAcc, PartLse, O, Count + b * tl.num_programs(1) + kv_h, b, heads, h_mask, offs_d,
-                          d_mask, tl.cdiv(seq_len, split_len), stride_pab, stride_pah, stride_pas, stride_plb,
-                          stride_plh, stride_ob, stride_oh, BLOCK_H, BLOCK_D)
-
-
-@triton.jit
-def _merge_splits(PartAcc, PartLse, O, count, b, heads, h_mask, offs_d, d_mask, splits, stride_pab, stride_pah,
-                  stride_pas, stride_plb, stride_plh, stride_ob, stride_oh, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """Count this split as finished; the last of the `splits` non-empty ones (the empty ones returned without a
-    count) merges their partials of its heads (an online softmax over their log2-sum-exps, as stage 2 weighs them)
-    into O, then sets the count back to zero."""
-    # acq_rel: this split's partials are visible before its count, and the last split sees every partial.
-    if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        w_sum = tl.zeros([BLOCK_H], tl.float32)
-        out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        mask = h_mask[:, None] & d_mask[None, :]
-        for s in range(0, splits):
-            lse = tl.load(PartLse + b * stride_plb + heads * stride_plh + s, mask=h_mask, other=0.0,
-                          cache_modifier=".cg")
-            part = tl.load(PartAcc + b * stride_pab + heads[:, None] * stride_pah + s * stride_pas + offs_d[None, :],
-                           mask=mask, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            out = out * alpha[:, None] + w[:, None] * part
-            w_sum = w_sum * alpha + w
-            m = m_new
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 (out / w_sum[:, None]).to(O.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count, 0)
 
 
 @triton.jit
@@ -530,8 +489,6 @@ def decode_attention(
         prefix_splits, prefix_block_n = 0, block_n
     parts = num_splits + prefix_splits
 
-    merge = MERGE_SPLITS and parts > 1 and not prefix_splits and (num_heads, num_kv_heads, head_dim) in MERGE_SHAPES
-    count = zeroed_counters(q.device, batch * num_kv_heads, "decode_attention") if merge else seq_lens  # (unused)
     o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if parts > 1:
         part_acc = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=q.device)
@@ -551,7 +508,7 @@ def decode_attention(
             num_warps=prefix_warps, num_stages=prefix_stages, **pdl_args(q),
         )
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o, count,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, part_acc, part_lse, o,
         sm_scale * _LOG2E, prefix_arg, prefix_ptr,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
@@ -560,9 +517,9 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_PREFIX=prefix_splits > 0, PREFIX_PTR=on_device,
         BLOCK_H=max(_DECODE_MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages, MERGE=merge, **pdl_args(q),
+        num_stages=num_stages, **pdl_args(q),
     )
-    if parts == 1 or merge:
+    if parts == 1:
         return o
     _decode_stage2_kernel[(batch, num_heads)](
         part_acc, part_lse, o, seq_lens, prefix_arg, prefix_ptr,

@@ -53,20 +53,3 @@ def grid_dependency(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
-
-
-def zeroed_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
-    """At least `n` int32 zeros on `device` for `owner`'s kernels, which count their finished programs in them (the
-    last of a group does the group's epilogue: skinny_gemm's split-K sum, decode attention's merge of its splits)
-    and set them back to zero before they exit, so no launch needs a memset (CUDA-graph safe). One buffer per owner,
-    allocated (or grown) on first use, which is a warm-up forward before any CUDA-graph capture
-    (cuda_graph.DecodeGraphs, largest bucket first), so a captured graph and every later launch share it."""
-    c = _counters.get((device, owner))
-    if c is None or c.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{owner}'s counters must be allocated by a warm-up run before capture")
-        c = _counters[device, owner] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c

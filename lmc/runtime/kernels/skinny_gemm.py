@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import grid_dependency, pdl_args, zeroed_counters
+from .launch import grid_dependency, pdl_args
 from .triton_ops import _rotate, _round, _silu_times
 
 MAX_M = 64
@@ -206,6 +206,21 @@ def config_for(m: int, n: int, k: int, gated: bool = False) -> tuple[int, ...] |
     return (GATED_CONFIGS if gated else CONFIGS).get((_block_m(m), n, k))
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tile counters of `device`: zeros, kept zero by the kernel itself. Allocated (or grown) on first
+    use, which is a warm-up forward before any CUDA-graph capture (cuda_graph.DecodeGraphs), so a captured graph
+    and every later launch share the same buffer."""
+    c = _counters.get(device)
+    if c is None or c.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_gemm's split-K counters must be allocated by a warm-up run before capture")
+        c = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 @torch.compiler.disable  # a launch wrapper, run eagerly between compiled pieces (as triton_ops')
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...], gated: bool = False) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N], for prod(x.shape[:-1]) <= MAX_M.
@@ -300,7 +315,7 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config: tuple[in
     grid = (triton.cdiv(n, block_n // 2 if GATED else block_n), triton.cdiv(m, block_m), split)
     if split > 1:
         parts = torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
-        counters = zeroed_counters(x2.device, grid[0] * grid[1], "skinny_gemm")
+        counters = _tile_counters(x2.device, grid[0] * grid[1])
     else:
         parts = counters = y  # unused
     cos, sin, kc, vc, slots, hq, hkv, hd = rope or (y, y, y, y, y, 0, 0, 0)  # (unused without RoPE)
