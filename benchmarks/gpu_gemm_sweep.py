@@ -57,7 +57,8 @@ def tiled_gemm(x, w, cfg):
     parts = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     counters = _COUNTERS if split > 1 else y
     _skinny_gemm_kernel[grid](x, w, y, parts, counters, m, n, k, k_split, x.stride(0), w.stride(0), y.stride(0),
-                              y, y, 0, y, y, y, 0, 0, BLOCK_M=bm,  # (no RoPE: its operands unused) BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=False, SPLIT_K=split,
+                              y, y, 0, y, y, y, 0, 0,  # COS .. HKV: no RoPE, so unused
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, IEEE=False, SPLIT_K=split,
                               PDL=False, num_warps=warps, num_stages=stages)
     return y
 
