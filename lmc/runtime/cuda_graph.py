@@ -130,37 +130,34 @@ class DecodeGraphs:
         return reread <= EXTEND_MAX_REREAD_BYTES
 
     @torch.inference_mode()
-    def replay_extend(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-                      logit_pos: torch.Tensor) -> torch.Tensor:
-        """An extend of n tokens (replays_extend said yes), as [n] device tensors per new token: its id, position,
-        KV slot and its request's slot-table row. Returns the logits at the token indices `logit_pos` ([L, V], a
-        tensor of its own: a chunk's rows are copied out of the graph's buffer before the next replay overwrites
-        it). The chunks run in order on the stream, so a token's context (earlier chunks') is written when its
-        chunk attends."""
-        chunks = extend_chunks(len(rows), self.extend_max)
+    def replay_extend(self, ids: torch.Tensor, tokens: torch.Tensor, logit_pos: torch.Tensor) -> torch.Tensor:
+        """An extend of n tokens (replays_extend said yes): their [n] ids and [3, n] device tensor of each token's
+        slot-table row (its request's), position and KV slot. Returns the logits at the token indices `logit_pos`
+        ([L, V], a tensor of its own: a chunk's rows are copied out of the graph's buffer before the next replay
+        overwrites it). The chunks run in order on the stream, so a token's context (earlier chunks') is written
+        when its chunk attends."""
+        chunks = extend_chunks(tokens.shape[1], self.extend_max)
         if len(chunks) == 1:
-            return self._replay_chunk(ids, positions, slots, rows)[logit_pos]
+            return self._replay_chunk(ids, tokens)[logit_pos]
         out = None
         for a, b in chunks:
-            logits = self._replay_chunk(ids[a:b], positions[a:b], slots[a:b], rows[a:b])
+            logits = self._replay_chunk(ids[a:b], tokens[:, a:b])
             local = logit_pos - a
             mine = ((local >= 0) & (local < b - a))[:, None]
             got = logits[local.clamp(0, b - a - 1)]  # (a gather, not a masked select: no host sync)
             out = got if out is None else torch.where(mine, got, out)
         return out
 
-    def _replay_chunk(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      rows: torch.Tensor) -> torch.Tensor:
+    def _replay_chunk(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One replay of the extend graph of the smallest bucket that holds these n tokens: their [n, V] logits, a
         view of the graph's buffer valid until the next replay."""
-        n = len(rows)
+        n = tokens.shape[1]
         bs = next(b for b in sorted(self.graphs) if b >= n)
         if bs not in self.extend:
             self.extend[bs] = self._capture(bs, cascade=False, gather_ids=False)
         graph, batch, logits = self.extend[bs]
-        self.ids[:n].copy_(ids)
-        self.ids[n:bs] = 0
-        self._fill(torch.stack([rows, positions, slots]), bs)
+        self.ids[:n].copy_(ids)  # (rows past n: a padding row embeds whatever id is left there, harmlessly)
+        self._fill(tokens, bs)
         self.runner.attn.prepare_replay(batch, n)
         graph.replay()
         return logits[:n]

@@ -157,18 +157,23 @@ def _tokens(r: Req, lo: int, hi: int) -> list[int]:
     return r.input_ids[lo:hi] + r.output_ids[:max(0, hi - n)]
 
 
+def _spans_index(rows, starts, lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every entry of the spans (rows[i], columns starts[i] .. starts[i] + lens[i] - 1), as two
+    int64 tensors, built without per-entry Python: a prefill that adopts a 1,200-token prefix for 127 requests
+    writes 152k slot-table entries. In numpy: 0.16 ms for those 127 spans and 6 us for an extend's one, where
+    torch's CPU repeat_interleave took 1.8 ms and 22 us."""
+    lens = np.asarray(lens, dtype=np.int64)
+    out_rows = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    first = np.asarray(starts, dtype=np.int64) - (np.cumsum(lens) - lens)
+    cols = np.arange(len(out_rows), dtype=np.int64) + np.repeat(first, lens)
+    return torch.from_numpy(out_rows), torch.from_numpy(cols)
+
+
 def _table_write_index(tw: list[tuple[int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (row, column) of every slot-table write of `tw` (row, first column, slots), as two int64 tensors, built
-    without per-entry Python: a prefill that adopts a 1,200-token prefix for 127 requests writes 152k entries. In
-    numpy: 0.16 ms for those 127 writes and 6 us for an extend's one, where torch's CPU repeat_interleave took 1.8 ms
-    and 22 us."""
+    """The (row, column) of every slot-table write of `tw` (row, first column, slots)."""
     if not tw:
         return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    lens = np.array([len(s) for _, _, s in tw], dtype=np.int64)
-    rows = np.repeat(np.array([row for row, _, _ in tw], dtype=np.int64), lens)
-    first = np.array([start for _, start, _ in tw], dtype=np.int64) - (np.cumsum(lens) - lens)
-    cols = np.arange(len(rows), dtype=np.int64) + np.repeat(first, lens)
-    return torch.from_numpy(rows), torch.from_numpy(cols)
+    return _spans_index([row for row, _, _ in tw], [start for _, start, _ in tw], [len(s) for _, _, s in tw])
 
 
 def _own_logits(forward: Future) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,11 +336,19 @@ class ModelRunner:
         fb = sb.from_buffer
         ints = (ext + starts + [sb.rows[i] for i in sampled] + logit_pos + sb.input_ids + [sb.rows[i] for i in fb]
                 + [starts[i] for i in fb])
-        # rows, prefix lengths and slots first: a decode step's [3, n] inputs of its CUDA graph (cuda_graph.py)
-        host = torch.cat([torch.tensor(sb.rows + pre, dtype=torch.long), sb.out_slots.long(),
-                          torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols, *[s.long() for _, _, s in tw]])
-        sizes = [len(sb), len(sb), len(sb.out_slots), len(sb), len(sb), len(sampled), len(logit_pos),
-                 len(sb.input_ids), len(fb), len(fb), len(tw_rows), len(tw_cols), len(tw_rows)]
+        # Every new token's row, position and slot first: the [3, n] inputs of a CUDA graph's replay (cuda_graph.py).
+        # A decode step's are its requests' rows and prefix lengths; an extend's are spelled out here, on the host,
+        # so that its forward starts without index kernels (an extend is a chain's next call: latency).
+        rows_pre = torch.tensor(sb.rows + pre, dtype=torch.long)
+        if sb.is_decode:  # (its rows and prefix lengths are those of its tokens: not sent twice)
+            tokens, per_req = [rows_pre, sb.out_slots.long()], []
+        else:
+            tokens, per_req = [*_spans_index(sb.rows, pre, ext), sb.out_slots.long()], [rows_pre]
+        n_tok, n_req = len(sb.out_slots), len(rows_pre) // 2 if per_req else 0
+        host = torch.cat([*tokens, *per_req, torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols,
+                          *[s.long() for _, _, s in tw]])
+        sizes = [n_tok, n_tok, n_tok, n_req, n_req, len(sb), len(sb), len(sampled), len(logit_pos), len(sb.input_ids),
+                 len(fb), len(fb), len(tw_rows), len(tw_cols), len(tw_rows)]
         shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots), sb.shared_prefix)
         forward = self._forward if self.tp is None else partial(self.tp.run_step, self._forward)
         fut = self._work.submit(forward, host, sizes, shape)
@@ -351,29 +364,29 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
-        (rows, pre, slots, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows, tw_cols,
-         tw_vals) = torch.split(dev, sizes)
+        (tok_rows, positions, slots, rows, pre, ext, starts, sample_rows, logit_pos, ids, fb_rows, fb_pos, tw_rows,
+         tw_cols, tw_vals) = torch.split(dev, sizes)
+        tokens = dev[:3 * n_tok].view(3, -1)  # each new token's row, position and slot (launch)
+        if is_decode:
+            rows, pre = tok_rows, positions
         if len(tw_rows):
             self.table[tw_rows, tw_cols] = tw_vals.to(torch.int32)
         if self.tp is not None and (is_decode or len(fb_rows)):
             self.tp.share_tokens(self.token_buf)  # only rank 0 samples: the others read its buffer
         if is_decode and self.graphs is not None and len(rows) <= self.graphs.max_bs:
             # the graph gathers the input ids and writes the slot table itself (cuda_graph.py)
-            return self.graphs.replay(dev[:3 * len(rows)].view(3, -1), shared), sample_rows
+            return self.graphs.replay(tokens, shared), sample_rows
         seq = pre + ext
         if is_decode:
-            positions, tok_rows, ids = pre, rows, self.token_buf[rows]
+            ids = self.token_buf[rows]
         else:
-            tok_rows = torch.repeat_interleave(rows, ext, output_size=n_tok)
-            positions = torch.arange(n_tok, device=self.device) - torch.repeat_interleave(
-                starts - pre, ext, output_size=n_tok)
             if len(fb_rows):
                 ids = ids.clone()
                 ids[fb_pos] = self.token_buf[fb_rows]
             if self.graphs is not None and self.graphs.replays_extend(n_tok, max_seq):
                 # one decode row per new token, in replays of at most a bucket's rows (cuda_graph.py); the logits
                 # asked for are gathered out of the graphs' buffers, which the next replay overwrites
-                return self.graphs.replay_extend(ids, positions, slots, tok_rows, logit_pos), sample_rows
+                return self.graphs.replay_extend(ids, tokens, logit_pos), sample_rows
         self.table[tok_rows, positions] = slots.to(torch.int32)
         batch = ForwardBatch(
             is_decode=is_decode, rows=rows, prefix_lens=pre, extend_lens=ext, seq_lens=seq, extend_start=starts,

@@ -36,7 +36,7 @@ from .plan import ShardPlan, TensorParallelError, local_config, plan_shards
 log = logging.getLogger(__name__)
 
 _STEP, _STOP = 1, 0
-_SHAPE, _PARTS = 5, 13  # ModelRunner.launch's step shape and number of packed parts
+_SHAPE, _PARTS = 5, 15  # ModelRunner.launch's step shape and number of packed parts
 _HEADER = 1 + _SHAPE + _PARTS  # the command, the shape, the parts' sizes
 _START_TIMEOUT_S = 600.0
 
@@ -197,6 +197,7 @@ class TensorParallel(RankShard):
 
 # ---- the step on the wire -----------------------------------------------------------------------------------
 def _send_step(host: torch.Tensor, sizes: list[int], shape: tuple, comm: group.Comm) -> None:
+    assert len(shape) == _SHAPE and len(sizes) == _PARTS, "ModelRunner.launch's packing changed: update _SHAPE, _PARTS"
     header = torch.tensor([_STEP, *map(int, shape), *sizes], dtype=torch.int64)
     dist.broadcast(header, 0, group=comm.control)
     dist.broadcast(host, 0, group=comm.control)
