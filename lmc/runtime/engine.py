@@ -505,6 +505,7 @@ class Engine:
                 item = self._inbox.get(block=not sched.has_work)
             except queue.Empty:
                 item = None
+            took = item is not None  # (the load is published after a step; again here only if the inbox changed it)
             while item is not None:
                 kind, payload = item
                 if kind == "stop":
@@ -535,7 +536,8 @@ class Engine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            self._publish_load()
+            if took:
+                self._publish_load()
             if sched.has_work:
                 t0 = time.perf_counter()
                 try:
@@ -544,6 +546,7 @@ class Engine:
                         sched.check_invariants()  # prove the memory consistent before going on
                 except Exception as e:  # nobody to blame (see scheduler/scheduler.py): rebuild memory, keep the queue
                     self._recover(e)
+                    self._publish_load()
                     continue
                 finally:
                     self.busy_seconds += time.perf_counter() - t0
