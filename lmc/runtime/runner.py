@@ -341,11 +341,11 @@ class ModelRunner:
         # so that its forward starts without index kernels (an extend is a chain's next call: latency).
         rows_pre = torch.tensor(sb.rows + pre, dtype=torch.long)
         if sb.is_decode:  # (its rows and prefix lengths are those of its tokens: not sent twice)
-            tokens, per_req = [rows_pre, sb.out_slots.long()], []
+            per_token, per_req = [rows_pre, sb.out_slots.long()], []
         else:
-            tokens, per_req = [*_spans_index(sb.rows, pre, ext), sb.out_slots.long()], [rows_pre]
-        n_tok, n_req = len(sb.out_slots), len(rows_pre) // 2 if per_req else 0
-        host = torch.cat([*tokens, *per_req, torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols,
+            per_token, per_req = [*_spans_index(sb.rows, pre, ext), sb.out_slots.long()], [rows_pre]
+        n_tok, n_req = len(sb.out_slots), len(sb) if per_req else 0
+        host = torch.cat([*per_token, *per_req, torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols,
                           *[s.long() for _, _, s in tw]])
         sizes = [n_tok, n_tok, n_tok, n_req, n_req, len(sb), len(sb), len(sampled), len(logit_pos), len(sb.input_ids),
                  len(fb), len(fb), len(tw_rows), len(tw_cols), len(tw_rows)]
