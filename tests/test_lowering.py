@@ -53,6 +53,22 @@ def test_every_examples_plan_round_trips_through_json(name, tokenizer):
             assert all(o.token_ids is None for o in _ops(plan.ops) if isinstance(o, Score))
 
 
+def test_a_served_segment_sends_its_plans_json_made_once_while_the_plan_lives():
+    """lmc.compiler.remote sends each instance's segment as its plan's JSON, made once per plan (by identity),
+    and forgets it when the plan goes."""
+    import gc
+
+    from lmc.compiler import remote
+
+    plan = _program("judge").compile().plan_for(Target("endpoint", ChatTemplate.plain(), None, KINDS["endpoint"]))
+    first = remote._plan_json(plan)
+    assert remote._plan_json(plan) is first and first == plan.to_json()
+    key = id(plan)
+    del plan
+    gc.collect()
+    assert key not in remote._PLAN_JSON
+
+
 def test_a_plan_is_lowered_per_backend_kind(tokenizer):
     tmpl = ChatTemplate.from_tokenizer(tokenizer)
     judge = _program("judge").compile()
