@@ -69,6 +69,21 @@ def test_a_served_segment_sends_its_plans_json_made_once_while_the_plan_lives():
     assert key not in remote._PLAN_JSON
 
 
+def test_the_server_reads_a_plans_json_once_and_rejects_a_malformed_one_every_time():
+    """lmc.compiler.hosted.load_program shares the plan read from the same JSON (a deployed program's instances
+    all send it); a malformed plan is rejected every time it comes (errors are not kept)."""
+    from lmc.compiler.hosted import ProgramRejected, load_program
+
+    data = _data("judge", "endpoint")
+    plan = load_program(data)
+    assert load_program(copy.deepcopy(data)) is plan and plan.to_json() == data
+    bad = copy.deepcopy(data)
+    bad["ops"][0]["op"] = "teleport"
+    for _ in range(2):
+        with pytest.raises(ProgramRejected):
+            load_program(bad)
+
+
 def test_a_plan_is_lowered_per_backend_kind(tokenizer):
     tmpl = ChatTemplate.from_tokenizer(tokenizer)
     judge = _program("judge").compile()
