@@ -68,7 +68,8 @@ def load_program(data: Any) -> ProgramGraph | Plan:
     that send the same JSON (_plan_of): run_instances gives each call its own copy with its hints."""
     try:
         if isinstance(data, dict) and "ops" in data:
-            return _plan_of(json.dumps(data, sort_keys=True))
+            text = json.dumps(data, sort_keys=True)
+            return _plan_of(text) if len(text) <= PLAN_CACHE_MAX_CHARS else Plan.from_json(text)
         if isinstance(data, str):
             return parse_graph(data)
         if isinstance(data, dict):
@@ -76,6 +77,9 @@ def load_program(data: Any) -> ProgramGraph | Plan:
     except (IRValidationError, PlanError) as e:
         raise ProgramRejected(f"program: {e}") from None
     raise ProgramRejected("program must be a lowered plan's JSON, or the program's graph: .lmir text or its JSON")
+
+
+PLAN_CACHE_MAX_CHARS = 1 << 16  # larger plans are read each time: the cache holds at most 64 x 64 KB of text
 
 
 @lru_cache(maxsize=64)
