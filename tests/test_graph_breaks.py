@@ -74,9 +74,8 @@ def counted_loop(s, topic):
 @sgl.function
 def meta_read(s, question):
     s += question + " Answer yes or no: " + sgl.select("ok", choices=["yes", "no"])
-    lps = s.get_meta_info("ok")["normalized_prompt_logprobs"]  # a meta-info read
-    s["margin"] = round(lps[0] - lps[1], 3)
-    s += "\nHow sure are you?" + sgl.gen("sure", max_tokens=4, stop="\n")
+    lps = s.get_meta_info("ok")["normalized_prompt_logprobs"]
+    s += f"\nMargin: {lps[0] - lps[1]:.2f}. How sure are you?" + sgl.gen("sure", max_tokens=4, stop="\n")  # formatted
 
 
 def tool(text: str) -> str:

@@ -78,6 +78,17 @@ def gen_then_host(s, topic):
     s["shout"] = s["word"].strip().upper()  # host code reading the gen's value: a break, and no call after it
 
 
+def test_tree_of_thought_is_one_request_and_matches_interpreted(counted):
+    """Its host code (scores from the selects' logprobs, the best branch) runs on the server as expressions."""
+    srv, app, ep = counted
+    tot = load("tree_of_thought").tree_of_thought
+    interpreted = tot.run(question="What is 2 + 3?", backend=ep, temperature=0)
+    app.paths.clear()
+    compiled = tot.compile().run(question="What is 2 + 3?", backend=ep, temperature=0)
+    assert app.paths == ["/v1/programs"]
+    assert compiled.variables() == interpreted.variables() and compiled.text() == interpreted.text()
+
+
 def test_segment_without_model_calls_runs_on_the_client(counted):
     srv, app, ep = counted
     interpreted = gen_then_host.run(topic="rain", backend=ep, temperature=0)
@@ -153,7 +164,10 @@ def test_bad_plans_get_a_400_naming_the_operation(counted):
     typed = _plan_json(chain, ep)
     gen = next(o for o in typed["ops"] if o["op"] == "generate")
     gen["params"]["max_new_tokens"] = "lots"
+    code = _plan_json(chain, ep)
+    code["ops"].insert(1, {"op": "set", "node": 999, "name": "x", "expr": ["exec", "import os"]})
     for plan, expected in ((unknown, "ops[1]"), (unknown, "teleport"),
+                           (code, "ops[1] (set %999): expr: [\"exec\", \"import os\"] is not an expression"),
                            (wide, f"%{fork['node']} (fork): a fork of 10 branches is wider"),
                            (typed, f"%{gen['node']} (generate): max_new_tokens must be a non-negative integer"),
                            ({**typed, "version": 99}, "version 99")):

@@ -1,7 +1,8 @@
 """A plan's operations as engine chains: on a backend with `capabilities.engine_chains` (lmc.Local), a run of
 extend / generate / score operations on one stream, up to the next host break (a fork, join, branch, break,
-call, or an extend that reads a variable the run itself produces), becomes ONE engine request that keeps its KV
-from call to call (lmc.runtime.continuation): no return here between the calls, no re-admission, no re-match.
+call, a set computed from an expression, or an extend that reads a variable the run itself produces), becomes ONE
+engine request that keeps its KV from call to call (lmc.runtime.continuation): no return here between the calls,
+no re-admission, no re-match.
 
 The texts between the calls are rendered ahead on a scratch copy of the stream (the same `_extend` the executor
 runs: constant text, arguments, variables set before the run, role markers), each gen's parameters are what the
@@ -24,7 +25,7 @@ from __future__ import annotations
 from ..protocol import ChoicesDecision, capabilities
 from ..protocol.hints import instance_id
 from ..frontend.state import Stream
-from .executor import _block, _extend, _hints, _method, _task
+from .executor import _block, _extend, _hints, _method, _task, set_value
 from .lower import Extend, Fork, Generate, Op, Plan, Scope, Score, SetVar
 
 CHAIN_START = (Extend, Generate, Score)  # what a chain may begin with
@@ -71,7 +72,7 @@ def _walk(plan: Plan, ops: list[Op], shadow: Stream, stream: Stream, args: dict,
             ids = op.token_ids if capabilities(stream.backend).token_id_selects else None
             steps.append({"text": text, "choices": list(op.choices), "token_ids": ids, "method": method,
                           "program": _hints(plan, op, shadow)})
-        elif isinstance(op, SetVar):
+        elif isinstance(op, SetVar) and op.expr is None:
             shadow.vars[op.name] = op.value
         elif isinstance(op, Scope):
             if op.edge == "end":
@@ -121,7 +122,7 @@ def _replay(ops: list[Op], done: int, item: dict | None, stream: Stream, args: d
         if isinstance(op, Extend):
             _extend(op.parts, args, stream)
         elif isinstance(op, SetVar):
-            stream.set_var(op.name, op.value, op.body_op)
+            stream.set_var(op.name, set_value(op, args, stream), op.body_op)
         elif isinstance(op, Scope):
             stream.scope_begin(op.name) if op.edge == "begin" else stream.scope_end(op.name, op.body_op)
         elif isinstance(op, Generate):

@@ -22,6 +22,7 @@ from ..frontend.primitives import render_unordered
 from ..frontend.state import Stream
 from .hints import hints_table, request_hints
 from .lower import Branch, Break, Call, Extend, Fork, Generate, Join, Op, Part, Plan, Scope, Score, SetVar
+from ..ir.expr import evaluate, is_expr
 from .values import apply_transforms, holds
 
 METHODS = {type(m).__name__: m for m in (token_length_normalized, greedy_token_selection,
@@ -39,11 +40,26 @@ def _value(name: str, args: dict, stream: Stream):
     return stream.vars[name]
 
 
+def _part_value(p: Part, args: dict, stream: Stream):
+    value = args[p.arg] if p.arg is not None else _value(p.var, args, stream)
+    return apply_transforms(value if p.index is None else value[p.index], p.transforms)
+
+
 def _render(parts: list[Part], args: dict, stream: Stream) -> str:
     """Text / argument / variable parts (call arguments, an unordered segment) as the instance's text."""
-    return "".join(p.text if p.text is not None else
-                   str(apply_transforms(args[p.arg] if p.arg is not None else _value(p.var, args, stream),
-                                        p.transforms)) for p in parts)
+    return "".join(p.text if p.text is not None else str(_part_value(p, args, stream)) for p in parts)
+
+
+def _computed(e, args: dict, stream: Stream):
+    """An expression's value (lmc.ir.expr) on the instance; a constant as it is."""
+    if not is_expr(e):
+        return e
+    return evaluate(e, lambda name: _value(name, args, stream), lambda name: stream.meta.get(name))
+
+
+def set_value(op: SetVar, args: dict, stream: Stream):
+    """What a set operation sets: its value, or its expression's."""
+    return op.value if op.expr is None else _computed(op.expr, args, stream)
 
 
 def _extend(parts: list[Part], args: dict, stream: Stream) -> None:
@@ -108,7 +124,7 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
                 await stream.score(op.name, op.choices, op.temperature, _method(plan, op), op.body_op, op.token_ids,
                                    op.prefill)
             elif isinstance(op, SetVar):
-                stream.set_var(op.name, op.value, op.body_op)
+                stream.set_var(op.name, set_value(op, args, stream), op.body_op)
             elif isinstance(op, Scope):
                 stream.scope_begin(op.name) if op.edge == "begin" else stream.scope_end(op.name, op.body_op)
             elif isinstance(op, Fork):
@@ -120,7 +136,8 @@ async def _block(plan: Plan, ops: list[Op], stream: Stream, args: dict) -> Break
             elif isinstance(op, Call):
                 await _call(plan, op, stream, args)
             elif isinstance(op, Branch):
-                taken = holds(_value(op.var, args, stream), op.test, op.value)
+                subject = _value(op.var, args, stream) if isinstance(op.var, str) else _computed(op.var, args, stream)
+                taken = holds(subject, op.test, _computed(op.value, args, stream))
                 return await _block(plan, op.then if taken else op.otherwise, stream, args)
             elif isinstance(op, Break):
                 return op

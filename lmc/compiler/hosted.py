@@ -38,8 +38,8 @@ from .lower import (_DTYPES, BUILTIN_METHODS, Break, Call, Extend, Fork, Generat
                     _walk_ops, lower)
 from .pipeline import PassManager, Target
 from .symbols import _STR_TRANSFORMS
+from .values import TESTS
 
-_BRANCH_TESTS = ("==", "contains", "startswith", "endswith", "nonempty")
 _GEN_PARAMS = {f.name for f in fields(GenParams)}
 _STATE_KEYS = ("text", "messages", "role", "role_begin", "vars", "meta", "scopes", "instance")
 
@@ -141,8 +141,8 @@ def _check_node(g: ProgramGraph, nid: int, limits: ProgramLimits) -> None:
     bad = [t for t in transforms if t not in _STR_TRANSFORMS]
     if bad:
         raise ProgramRejected(f"{where}: unknown transform(s) {bad}; they are {list(_STR_TRANSFORMS)}")
-    if node.kind == "branch" and a["op"].split("|")[-1] not in _BRANCH_TESTS:
-        raise ProgramRejected(f"{where}: unknown branch test {a['op']!r}; tests: {list(_BRANCH_TESTS)}")
+    if node.kind == "branch" and a["op"].split("|")[-1] not in TESTS:
+        raise ProgramRejected(f"{where}: unknown branch test {a['op']!r}; tests: {list(TESTS)}")
 
 
 def check_program(program: ProgramGraph | Plan, limits: ProgramLimits, defaults: GenParams, instances: int) -> None:

@@ -2,22 +2,23 @@
 
 The operations (one small vocabulary; `Plan.to_json()` / `Plan.from_json()` round-trip them as data, and
 `format_plan` prints them):
-- extend    append a rendered prefix: constant text, arguments and variables (with their str transforms), role
-            markers, order-free segments;
+- extend    append a rendered prefix: constant text, arguments and variables (an item of a gathered one, with
+            their str transforms), role markers, order-free segments;
 - generate  one gen (its sampling options, stop, constraint, n, dtype), with its place in an API-speculation group
             where the plan has one;
 - score     one select: a prefill of the shared prompt, then every choice scored as an extension of it, whatever
             the choices' token lengths; on the local engine, where every choice is one token after the constant
             text before it (or after that text less its last token), the choice ids ride along (one request
             scores them all);
-- set       set a variable to a host value; scope: begin / end a var_scope;
+- set       set a variable to a host value, or to an expression's (lmc.ir.expr: computed from the variables and
+            meta info it reads); scope: begin / end a var_scope;
 - fork      start the branches (each a block of operations on its own copy of the state), after a prefill hint
             of the parent's text plus the text every branch starts with (on a backend that does not share a
             prefix's computation among queued requests itself);
 - join      wait for a fork's branches and merge them (gather_variable or concate_and_append);
 - call      run a nested program as its own instance;
-- branch    test a variable and run one of two blocks (the rest of the segment lives inside them: traced paths
-            never merge again);
+- branch    test a variable or an expression, against a constant or another expression, and run one of two
+            blocks (the rest of the segment lives inside them: traced paths never merge again);
 - break     end the segment: the host code runs with concrete values, then the next segment (or the interpreter).
 
 Invariants (checked by `Plan.validate`, which `from_json` runs): a join names a fork started earlier in its block;
@@ -36,6 +37,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 from ..ir import ProgramGraph
+from ..ir import expr as ir_expr
 from ..protocol import GenParams
 from ..protocol.backend import SpecStep
 from .values import TESTS
@@ -60,6 +62,7 @@ class Part:
     text: str | None = None
     arg: str | None = None
     var: str | None = None
+    index: int | None = None  # with var: the item of a gathered variable (a fork's list)
     transforms: list[str] = field(default_factory=list)  # argument-free str methods, applied in order
     role: str | None = None
     edge: str | None = None  # "begin" | "end" (with role)
@@ -69,6 +72,8 @@ class Part:
         kinds = [k for k in ("text", "arg", "var", "role", "unordered") if getattr(self, k) is not None]
         if len(kinds) != 1:
             return f"a part sets exactly one of text, arg, var, role, unordered (this one: {kinds or 'none'})"
+        if self.index is not None and (self.var is None or self.index < 0):
+            return f"index {self.index}: an item of a variable is read by a non-negative index"
         if self.role is not None and (self.role not in ROLES or self.edge not in ("begin", "end")):
             return f"role part {self.role!r}/{self.edge!r}: the role is one of {ROLES}, the edge begin or end"
         bad = [t for t in self.transforms if not (t.isidentifier() and callable(getattr(str, t, None)))]
@@ -149,6 +154,10 @@ class SetVar(Op):
     body_op: int | None = None
     name: str = ""
     value: Any = None
+    expr: Any = None  # an expression (lmc.ir.expr) the value is computed from where it runs; None: `value`
+
+    def check(self):
+        return None if self.expr is None else _check_expr("expr", self.expr)
 
 
 @dataclass
@@ -210,9 +219,9 @@ class Call(Op):
 @dataclass
 class Branch(Op):
     KIND: ClassVar[str] = "branch"
-    var: str = ""
+    var: Any = ""  # a variable's name, or an expression (lmc.ir.expr)
     test: str = "=="  # "[transform|...]test", test one of lmc.compiler.values.TESTS
-    value: Any = None
+    value: Any = None  # a constant, or an expression
     then: list[Op] = field(default_factory=list)
     otherwise: list[Op] = field(default_factory=list)
 
@@ -220,7 +229,9 @@ class Branch(Op):
         *transforms, test = self.test.split("|")
         if test not in TESTS or not all(callable(getattr(str, t, None)) for t in transforms):
             return f"test {self.test!r}: the form is [transform|...]test, test one of {TESTS}"
-        return None
+        if not isinstance(self.var, str):
+            return _check_expr("var", self.var)
+        return _check_expr("value", self.value) if ir_expr.is_expr(self.value) else None
 
 
 @dataclass
@@ -234,6 +245,11 @@ class Break(Op):
 
 OPS: dict[str, type[Op]] = {c.KIND: c for c in (Extend, Generate, Score, SetVar, Scope, Fork, Join, Call, Branch,
                                                Break)}
+
+
+def _check_expr(field_name: str, e) -> str | None:
+    problem = ir_expr.check(e)
+    return None if problem is None else f"{field_name}: {problem}"
 
 
 def _walk_ops(block: list[Op]):
@@ -493,7 +509,7 @@ class _Lowering:
                                  float(a["temperature"]), a["method"], None if ids is None else list(ids),
                                  prefill=self.select_prefill and ids is None and len(a["choices"]) > 1))
             elif node.kind == "set_var":
-                ops.append(SetVar(nid, op, a["name"], a["value"]))
+                ops.append(SetVar(nid, op, a["name"], a["value"], a.get("expr")))
             elif node.kind == "var_scope":
                 ops.append(Scope(nid, op, a["name"], a["edge"]))
             elif node.kind == "fork":
@@ -532,7 +548,7 @@ def _part(kind: str, a: dict) -> Part:
     if kind == "text":
         return Part(text=a["value"])
     if kind in ("arg", "var"):
-        return Part(**{kind: a["name"]}, transforms=list(a.get("transforms", ())))
+        return Part(**{kind: a["name"]}, index=a.get("index"), transforms=list(a.get("transforms", ())))
     if kind in ("role_begin", "role_end"):
         return Part(role=a["role"], edge=kind[len("role_"):])
     return Part(unordered=[[Part(**p) for p in seg] for seg in a["segments"]])
@@ -562,7 +578,7 @@ def _format_parts(parts: list[Part]) -> str:
         elif p.arg is not None:
             out.append(f"${p.arg}{suffix}")
         elif p.var is not None:
-            out.append(f"{{{p.var}}}{suffix}")
+            out.append(f"{{{p.var}}}{'' if p.index is None else f'[{p.index}]'}{suffix}")
         elif p.role is not None:
             out.append(f"<{'/' if p.edge == 'end' else ''}{p.role}>")
         else:
@@ -583,7 +599,8 @@ def _format_block(block: list[Op], depth: int, lines: list[str]) -> None:
             how = f" token_ids {o.token_ids}" if o.token_ids is not None else " prefill" if o.prefill else ""
             lines.append(f"{head} {o.name or '_'} {json.dumps(o.choices)} {o.method}{how}")
         elif isinstance(o, SetVar):
-            lines.append(f"{head} {o.name} = {json.dumps(o.value, default=repr)}")
+            value = json.dumps(o.value, default=repr) if o.expr is None else ir_expr.format_expr(o.expr)
+            lines.append(f"{head} {o.name} = {value}")
         elif isinstance(o, Scope):
             lines.append(f"{head} {o.edge} {o.name}")
         elif isinstance(o, Fork):
@@ -598,7 +615,9 @@ def _format_block(block: list[Op], depth: int, lines: list[str]) -> None:
             args = {**{k: _format_parts(v) for k, v in o.text_args.items()}, **o.values}
             lines.append(f"{head} {o.name} {o.program}({', '.join(f'{k}={v}' for k, v in args.items())})")
         elif isinstance(o, Branch):
-            lines.append(f"{head} {{{o.var}}} {o.test} {json.dumps(o.value, default=repr)}")
+            subject = f"{{{o.var}}}" if isinstance(o.var, str) else ir_expr.format_expr(o.var)
+            value = ir_expr.format_expr(o.value) if ir_expr.is_expr(o.value) else json.dumps(o.value, default=repr)
+            lines.append(f"{head} {subject} {o.test} {value}")
             lines.append(f"{pad}  then:")
             _format_block(o.then, depth + 2, lines)
             lines.append(f"{pad}  else:")

@@ -1,8 +1,10 @@
-"""Symbols: the values a traced program body computes with (its text arguments and generated values), and the
-graph break raised where the body needs a concrete value the trace does not have (lmc.compiler.trace)."""
+"""Symbols: the values a traced program body computes with (its text arguments, generated values, and host values
+derived from their meta info), and the graph break raised where the body needs a concrete value the trace does not
+have (lmc.compiler.trace)."""
 from __future__ import annotations
 
 from ..frontend.program import tracing as _tracing
+from ..ir.expr import format_expr
 from .values import apply_transforms, holds
 
 _STR_TRANSFORMS = ("strip", "lower", "upper", "lstrip", "rstrip", "casefold", "title")
@@ -30,13 +32,15 @@ class Symbol:
     break otherwise. A C function that wants a real str (re, json, ast) raises TypeError: an interpreting break
     at that line, never a silently wrong constant."""
 
-    __slots__ = ("kind", "name", "transforms", "known")
+    __slots__ = ("kind", "name", "transforms", "known", "item")
 
-    def __init__(self, kind: str, name: str, transforms: tuple[str, ...] = (), known=UNKNOWN):
-        self.kind, self.name, self.transforms, self.known = kind, name, transforms, known
+    def __init__(self, kind: str, name: str, transforms: tuple[str, ...] = (), known=UNKNOWN, item: int | None = None):
+        # item: the index in a fork's gathered list this symbol is (s["thought"][i] after the join)
+        self.kind, self.name, self.transforms, self.known, self.item = kind, name, transforms, known, item
 
     def __str__(self) -> str:
-        return f"\x00{self.kind}:{self.name}{''.join('|' + t for t in self.transforms)}\x00"
+        at = "" if self.item is None else f"\x01{self.item}"
+        return f"\x00{self.kind}:{self.name}{at}{''.join('|' + t for t in self.transforms)}\x00"
 
     def __format__(self, spec: str) -> str:
         if spec:
@@ -146,7 +150,7 @@ def _transform(name):
     def method(self, *a, **k):
         if a or k:
             return getattr(str, name)(self._concrete(f".{name}() with arguments"), *a, **k)
-        return Symbol(self.kind, self.name, self.transforms + (name,), self.known)
+        return Symbol(self.kind, self.name, self.transforms + (name,), self.known, self.item)
 
     return method
 
@@ -165,3 +169,120 @@ for _m in dir(str):
     setattr(Symbol, _m, _concrete_method(_m))
 for _m in _STR_TRANSFORMS:
     setattr(Symbol, _m, _transform(_m))
+
+
+class Derived:
+    """A host value the body computes from generated values' meta info while tracing (a select's logprobs, a gen's
+    token counts): an expression (lmc.ir.expr). An item by a constant key and arithmetic (+ - * /, unary -, abs(),
+    round()) with numbers or other derived values stay symbolic; comparisons are decisions (the body is traced
+    both ways, as for a Symbol's); setting a variable to one (or to a list holding some) sets it to the
+    expression. What needs the concrete value (str(), float(), formatting, iteration, hashing) is a graph break."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr):
+        self.expr = expr
+
+    def _concrete(self, why: str):
+        raise GraphBreak(f"{why} needs the value of {format_expr(self.expr)}")
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, str)) and not isinstance(key, bool):
+            return Derived(["item", self.expr, key])
+        return self._concrete("indexing by a non-constant key")
+
+    def __round__(self, ndigits=None):
+        if ndigits is None or isinstance(ndigits, int) and not isinstance(ndigits, bool):
+            return Derived(["round", self.expr, ndigits])
+        return self._concrete("round() with a non-constant ndigits")
+
+    def __neg__(self):
+        return Derived(["neg", self.expr])
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return Derived(["abs", self.expr])
+
+    def _decide(self, op: str, other) -> bool:
+        operand = _operand(other, str)
+        if operand is NotImplemented:
+            return self._concrete(f"a comparison ({op}) with {type(other).__name__}")
+        return _tracing.get().decide_expr(self.expr, op, operand)
+
+    def __eq__(self, other):
+        return self._decide("==", other)
+
+    def __ne__(self, other):
+        return not self._decide("==", other)
+
+    def __lt__(self, other):
+        return self._decide("<", other)
+
+    def __le__(self, other):
+        return self._decide("<=", other)
+
+    def __gt__(self, other):
+        return self._decide(">", other)
+
+    def __ge__(self, other):
+        return self._decide(">=", other)
+
+    def __bool__(self):
+        return _tracing.get().decide_expr(self.expr, "nonempty", None)
+
+    def __hash__(self):
+        return self._concrete("a dict or set lookup")
+
+    def __str__(self):
+        return self._concrete("str()")
+
+    def __repr__(self):
+        return self._concrete("repr()")
+
+    def __format__(self, spec):
+        return self._concrete("formatting")
+
+    def __float__(self):
+        return self._concrete("float()")
+
+    def __int__(self):
+        return self._concrete("int()")
+
+    def __index__(self):
+        return self._concrete("use as an index")
+
+    def __iter__(self):
+        return self._concrete("iteration")
+
+    def __len__(self):
+        return self._concrete("len()")
+
+    def __contains__(self, item):
+        return self._concrete("a membership test")
+
+
+def _operand(x, *constants):
+    """x as an expression operand: a derived value's expression, a number, or one of `constants`' types
+    (NotImplemented: anything else)."""
+    if isinstance(x, Derived):
+        return x.expr
+    if isinstance(x, (int, float, *constants)) or x is None and constants:
+        return x
+    return NotImplemented
+
+
+def _arithmetic(op: str, reflected: bool):
+    def method(self, other):
+        operand = _operand(other)
+        if operand is NotImplemented:
+            return NotImplemented
+        return Derived([op, operand, self.expr] if reflected else [op, self.expr, operand])
+
+    return method
+
+
+for _op, _name in (("+", "add"), ("-", "sub"), ("*", "mul"), ("/", "truediv")):
+    setattr(Derived, f"__{_name}__", _arithmetic(_op, False))
+    setattr(Derived, f"__r{_name}__", _arithmetic(_op, True))

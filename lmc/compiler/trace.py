@@ -1,14 +1,17 @@
 """Tracer: run a program body with symbolic values and record a ProgramGraph segment.
 
 Arguments and generated values are `Symbol`s: strings holding a sentinel, so f-strings, `+`, `.format`, `str()`
-and argument-free str transforms (`.strip()`, `.lower()`, ...) over them trace into text/arg/var nodes. Control
-flow that compares a generated value (`if s["x"] == "yes"`, `"yes" in s["x"].lower()`) is explored both ways:
-the body is re-run once per outcome combination (at most MAX_PATHS paths) and the paths are merged under `branch`
-nodes.
+and argument-free str transforms (`.strip()`, `.lower()`, ...) over them trace into text/arg/var nodes. Meta info
+read in the segment that generated it is `Derived`: items, arithmetic and round() over it trace into expressions
+(lmc.ir.expr), which a variable can be set to (`s["margin"] = round(lps[0] - lps[1], 3)`). After a join, a
+gathered variable reads as a list with one item per branch (`s["thought"][i]`, `s.get_meta_info("ok")[i]`).
+Control flow that compares a generated or derived value (`if s["x"] == "yes"`, `"yes" in s["x"].lower()`,
+`max(range(3), key=lambda i: scores[i])`) is explored both ways: the body is re-run once per outcome combination
+(at most MAX_PATHS paths) and the paths are merged under `branch` nodes.
 
 Whatever needs a concrete value the trace does not have (int() of generated text, a dict lookup, a str method
-with arguments, a loop over a generated list, meta info, a tool called on a generated value, an error raised by
-the program) is a graph break: the segment ends in a `break` node that records where the body stands (`resume`:
+with arguments, a loop over a generated list, formatting a derived number, a tool called on a generated value, an
+error raised by the program) is a graph break: the segment ends in a `break` node that records where the body stands (`resume`:
 the number of body operations before it). At run time the executor runs the segment, then the body is traced
 again from its start with the instance's values, *replaying* the executed operations without emitting them: a
 value generated before the break is now `known`, and host code that reads it concretely gets the real value
@@ -35,10 +38,11 @@ from ..frontend.primitives import ExprList, Gen, Image, RoleBegin, RoleEnd, Sele
 from ..frontend.program import tracing
 from ..frontend.state import ProgramStateGroup, RoleMethods
 from ..ir import ProgramGraph
-from .symbols import UNKNOWN, Symbol, GraphBreak
+from ..ir.expr import reads as expr_reads
+from .symbols import UNKNOWN, Derived, GraphBreak, Symbol
 
 MAX_PATHS = 16
-_SENTINEL = re.compile("\x00(arg|var):([^\x00|]*)((?:\\|[a-z]+)*)\x00")
+_SENTINEL = re.compile("\x00(arg|var):([^\x00\x01|]*)(?:\x01(\\d+))?((?:\\|[a-z]+)*)\x00")
 _tracing = tracing  # the frontend's hook: nested program calls ask the active tracer what they become
 # ---- replay state ------------------------------------------------------------------------------------------------
 @dataclass
@@ -98,6 +102,7 @@ class _Tracer:
         self.cursor = {0: None}
         self.when: dict[int, str] = {}
         self.producers: dict[str, int] = {}
+        self.gathered: dict[str, tuple[int, int]] = {}  # a gathered variable -> (its join node, its branches)
         self.open_forks = 0
         self.fork_mark: tuple | None = None
         self.op = 0  # body operations so far (the replay skips those before self.skip)
@@ -170,17 +175,34 @@ class _Tracer:
         return nid
 
     def decide(self, sym: Symbol, op: str, value) -> bool:
-        if sym.name not in self.producers:
-            raise GraphBreak(f"a decision on {sym.name!r}, which this path never generated")
+        """A test of a generated value (with its transforms) against a constant."""
+        subject = sym.name if sym.item is None else ["item", ["var", sym.name], sym.item]
+        return self._branch(subject, "|".join(sym.transforms + (op,)), value, [sym.name])
+
+    def decide_expr(self, subject: list, op: str, value) -> bool:
+        """A test of a derived value against a constant or another derived value (an expression)."""
+        return self._branch(subject, op, value, expr_reads(subject) + expr_reads(value))
+
+    def _branch(self, subject, op: str, value, reads: list[str]) -> bool:
+        """Emit the decision's branch node; the outcome is this path's."""
+        missing = [n for n in reads if n not in self.producers]
+        if missing:
+            raise GraphBreak(f"a decision on {missing[0]!r}, which this path never generated")
         if self.open_forks:
-            raise GraphBreak(f"a decision on {sym.name!r}")
+            raise GraphBreak(f"a decision on {reads[0]!r}")
         i = len(self.decisions)
         outcome = self.path.plan[i] if i < len(self.path.plan) else False
-        op_name = "|".join(sym.transforms + (op,))
-        self.emit("branch", 0, data_from=sym.name, var=sym.name, op=op_name, value=value)
+        self._reading(self.emit("branch", 0, var=subject, op=op, value=value), reads)
         self.decisions.append((outcome, len(self.ids), self.op))
         self.when[0] = "true" if outcome else "false"
         return outcome
+
+    def _reading(self, nid: int, names: list[str]) -> None:
+        """`data` edges into a node from the producers of the variables it reads."""
+        if len(self.ids) > self.path.cut:  # (a node shared with the parent path has its edges)
+            for n in dict.fromkeys(names):
+                if n in self.producers:
+                    self.g.connect(self.producers[n], nid, "data")
 
     # ---- text with sentinels -------------------------------------------------------------------------------
     def emit_text(self, stream: int, text: str) -> None:
@@ -188,8 +210,10 @@ class _Tracer:
         for m in _SENTINEL.finditer(text):
             if m.start() > pos:
                 self.emit("text", stream, value=text[pos:m.start()])
-            kind, name, transforms = m.group(1), m.group(2), _split_transforms(m.group(3))
+            kind, name, transforms = m.group(1), m.group(2), _split_transforms(m.group(4))
             extra = {"transforms": list(transforms)} if transforms else {}
+            if m.group(3) is not None:
+                extra["index"] = int(m.group(3))
             if kind == "arg":
                 self.emit("arg", stream, name=name, **extra)
             else:
@@ -210,8 +234,8 @@ def _parts(text: str, allow_vars: bool = False) -> list[dict]:
     for m in _SENTINEL.finditer(text):
         if m.group(1) == "var" and not allow_vars:
             raise GraphBreak("a generated value inside unordered()")
-        if m.group(3):
-            raise GraphBreak(f"a transformed value of {m.group(2)!r} in a call argument or unordered()")
+        if m.group(3) is not None or m.group(4):
+            raise GraphBreak(f"an item or a transformed value of {m.group(2)!r} in a call argument or unordered()")
         if m.start() > pos:
             parts.append({"text": text[pos:m.start()]})
         parts.append({m.group(1): m.group(2)})
@@ -296,17 +320,28 @@ class TraceState(RoleMethods):
             return b.value
         if self._joined:  # a var node reads the current stream's variable, which after the join is the gathered list
             raise GraphBreak(f"branch variable {name!r} read after the join (forks[i][...]) needs its value")
-        return Symbol("var", name)
+        n = self._branches(name, b)
+        return Symbol("var", name) if n is None else _Gathered(name, [Symbol("var", name, item=i) for i in range(n)])
 
     get_var = __getitem__
+
+    def _branches(self, name: str, binding) -> int | None:
+        """How many branches gathered `name`, where its binding is a join's (None: it is no gathered list)."""
+        join, n = self._t.gathered.get(name, (None, None))
+        return n if binding == join else None
 
     def __setitem__(self, name, value):
         t = self._t
         emitting = t.emitting()
+        expr = None
         if emitting:
-            value = _concretize(value)
+            expr = _derived_expr(value)
+            if expr is None:
+                value = _concretize(value)
         t.count()
-        if emitting:
+        if emitting and expr is not None:  # computed where it runs, from the values it reads
+            t._reading(t.emit("set_var", self._stream, name=name, value=None, expr=expr), expr_reads(expr))
+        elif emitting:
             t.emit("set_var", self._stream, name=name, value=value)
         self._b.names[name] = Host(value)
 
@@ -328,7 +363,10 @@ class TraceState(RoleMethods):
             return b.meta
         if isinstance(b, Host):
             return None
-        raise GraphBreak(f"meta info of {name!r} read")
+        if self._joined:
+            raise GraphBreak(f"meta info of branch variable {name!r} read after the join")
+        n = self._branches(name, b)
+        return Derived(["meta", name]) if n is None else [Derived(["item", ["meta", name], i]) for i in range(n)]
 
     def sync(self):
         pass
@@ -405,12 +443,53 @@ class TraceGroup(ProgramStateGroup):
         if mode == "gather_variable":
             for name in _gathered(parent._b, [st._b for st in self.states]):
                 parent._produced(name, nid)
+                t.gathered[name] = (nid, len(self.states))
 
 
 def _gathered(parent: Bindings, branches: list[Bindings]) -> list[str]:
     """The names a gather_variable join defines: those the branches bound that the parent did not have (as the
     interpreter's join does)."""
     return list(dict.fromkeys(k for b in branches for k in b.names if k not in parent.names))
+
+
+class _Gathered(list):
+    """A gathered variable read after its join: one symbol per branch (`s["thought"][i]`, a loop over them), and
+    as a whole, the variable (formatted, it renders the list as the interpreter's f-string does)."""
+
+    def __init__(self, name: str, items: list[Symbol]):
+        super().__init__(items)
+        self._whole = Symbol("var", name)
+
+    def __str__(self) -> str:
+        return str(self._whole)
+
+    def __format__(self, spec: str) -> str:
+        return format(self._whole, spec)
+
+    def __lmc_text__(self) -> str:
+        return str(self._whole)
+
+
+def _derived_expr(value):
+    """The expression a value the body sets is, where it holds derived values (a list of scores, say); None for a
+    value with none (a constant, or symbols, which read their values)."""
+    if isinstance(value, Derived):
+        return value.expr
+    if isinstance(value, (list, tuple)):
+        items = [_derived_expr(v) for v in value]
+        if any(e is not None for e in items):
+            return ["list", *(_constant(v) if e is None else e for e, v in zip(items, value))]
+    return None
+
+
+def _constant(value):
+    """A constant inside an expression: a scalar as it is, a list as ["list", ...] (lmc.ir.expr)."""
+    value = _concretize(value)
+    if isinstance(value, (list, tuple)):
+        return ["list", *map(_constant, value)]
+    if isinstance(value, dict):
+        raise GraphBreak("a dict next to derived values in a variable")
+    return value
 
 
 def _concretize(value):

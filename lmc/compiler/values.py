@@ -2,6 +2,7 @@
 the tracer for known values and by the executor at run time)."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 
@@ -13,11 +14,12 @@ def apply_transforms(value: Any, transforms) -> Any:
     return value
 
 
-TESTS = ("==", "contains", "startswith", "endswith", "nonempty")
+TESTS = ("==", "contains", "startswith", "endswith", "nonempty", "<", "<=", ">", ">=")
+_ORDER = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
 def holds(value: Any, op: str, expected) -> bool:
-    """A branch test: `op` is `[transform|...]test`, test one of ==, contains, startswith, endswith, nonempty."""
+    """A branch test: `op` is `[transform|...]test`, test one of TESTS (the orderings compare as Python does)."""
     *transforms, test = op.split("|")
     value = apply_transforms(value, transforms)
     if test == "==":
@@ -30,4 +32,6 @@ def holds(value: Any, op: str, expected) -> bool:
         return str(value).endswith(expected)
     if test == "nonempty":
         return bool(value)
+    if test in _ORDER:
+        return _ORDER[test](value, expected)
     raise ValueError(f"unknown branch test {op!r}")

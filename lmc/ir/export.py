@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from .expr import format_expr, is_expr
 from .graph import ProgramGraph
 
 _SHAPES = {"gen": "box", "select": "box", "fork": "trapezium", "join": "invtrapezium", "branch": "diamond",
@@ -13,12 +14,14 @@ def label(g: ProgramGraph, nid: int, width: int = 40) -> str:
     node = g.node(nid)
     a = node.attrs
     detail = {"text": lambda: repr(a["value"]), "arg": lambda: a["name"], "gen": lambda: a["name"],
-              "select": lambda: f"{a['name']} {a['choices']}", "var": lambda: a["name"],
+              "select": lambda: f"{a['name']} {a['choices']}",
+              "var": lambda: a["name"] + (f"[{a['index']}]" if "index" in a else ""),
               "fork": lambda: str(a["size"]), "fork_item": lambda: str(a["index"]), "join": lambda: a["mode"],
               "role_begin": lambda: a["role"], "role_end": lambda: a["role"], "image": lambda: str(a["source"]),
               "var_scope": lambda: f"{a['edge']} {a['name']}", "call": lambda: a["program"],
-              "branch": lambda: f"{a['var']} {a['op']} {a['value']!r}", "break": lambda: a["reason"],
-              "set_var": lambda: a["name"],
+              "branch": lambda: f"{format_expr(a['var']) if is_expr(a['var']) else a['var']} {a['op']} "
+                                f"{format_expr(a['value']) if is_expr(a['value']) else repr(a['value'])}",
+              "break": lambda: a["reason"], "set_var": lambda: a["name"],
               "unordered": lambda: f"{len(a['segments'])} segments"}[node.kind]()
     detail = detail if len(detail) <= width else detail[:width - 3] + "..."
     return f"%{nid} {node.kind} {detail}"

@@ -6,7 +6,10 @@ Nodes (kind -> attributes) follow the SGLang paper's IR plus what data-dependent
     var_scope{name, edge: begin|end}  call{name, program, args}  branch{var, op, value}  set_var{name, value}
     break{reason, line, resume, interpret}
 A gen or select written without a name is named for the graph and marked `anonymous` (it sets no variable).
-A var node may carry `transforms` (argument-free str methods applied to the value, e.g. ["strip"]). A break ends
+A var node may carry `index` (an item of a fork's gathered list) and `transforms` (argument-free str methods applied
+to the value, e.g. ["strip"]). A set_var may carry `expr` instead of a constant value, and a branch's `var` (and its
+`value`, where it compares two) may be an expression (lmc.ir.expr: host values computed from generated values and
+their meta info, as data). A break ends
 a segment where the program's host code needs concrete values: `resume` is the number of body operations before
 it (where tracing resumes), `interpret` says the interpreter runs the rest instead. A segment traced after a
 break reads variables produced before it: they are the graph's `inputs`.
@@ -23,6 +26,8 @@ from typing import Any, Iterator
 
 import networkx as nx
 
+from . import expr as _expr
+
 NODE_KINDS: dict[str, tuple[str, ...]] = {
     "text": ("value",), "arg": ("name",), "gen": ("name", "params"),
     "select": ("name", "choices", "method", "temperature"), "var": ("name",), "fork": ("size",),
@@ -36,6 +41,22 @@ EDGE_KINDS = ("order", "data", "fork")
 
 class IRValidationError(ValueError):
     pass
+
+
+def _reads(nid: int, node: "Node") -> list[str]:
+    """The variables a node reads by name: a var node's, and those of its expressions (a malformed one is an
+    IRValidationError naming the problem)."""
+    a = node.attrs
+    if node.kind == "var":
+        return [a["name"]]
+    exprs = [a.get("expr")] if node.kind == "set_var" else [a["var"], a["value"]] if node.kind == "branch" else []
+    out = []
+    for e in filter(_expr.is_expr, exprs):
+        problem = _expr.check(e)
+        if problem:
+            raise IRValidationError(f"%{nid} ({node.kind}): {problem}")
+        out += _expr.reads(e)
+    return out
 
 
 @dataclass(frozen=True)
@@ -135,15 +156,15 @@ class ProgramGraph:
                 any(texts_before[p] for p in preds)
             if node.kind == "fork" and self.inputs is None and not any(texts_before[p] for p in preds):
                 raise IRValidationError(f"%{nid}: fork before any text (a fork shares its parent's prefix)")
+            for name in _reads(nid, node):
+                if name not in produced and name.split(".")[0] + "." not in produced:
+                    raise IRValidationError(f"%{nid} reads variable {name!r}, which no earlier node defines")
             if node.kind in ("gen", "select") and node.attrs["name"] is not None:
                 produced.add(node.attrs["name"])
             if node.kind == "set_var" or node.kind == "var_scope" and node.attrs["edge"] == "end":
                 produced.add(node.attrs["name"])
             if node.kind == "call":
                 produced.add(node.attrs["name"] + ".")
-            if node.kind == "var" and node.attrs["name"] not in produced and \
-                    node.attrs["name"].split(".")[0] + "." not in produced:
-                raise IRValidationError(f"%{nid} reads variable {node.attrs['name']!r}, which no earlier node defines")
             if node.kind == "arg" and node.attrs["name"] not in self.params:
                 raise IRValidationError(f"%{nid} reads argument {node.attrs['name']!r}, not a parameter of "
                                         f"{self.name}({', '.join(self.params)})")
