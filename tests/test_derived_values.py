@@ -80,7 +80,8 @@ def test_reading_the_concrete_value_is_a_graph_break():
 ])
 def test_malformed_expressions_are_named(bad, message):
     assert message in check(bad)
-    plan = {"version": 1, "program": "p", "target": "local", "ops": [{"op": "set", "node": 4, "name": "x", "expr": bad}]}
+    plan = {"version": 1, "program": "p", "target": "local",
+            "ops": [{"op": "set", "node": 4, "name": "x", "expr": bad}]}
     with pytest.raises(PlanError, match=r"ops\[0\] \(set %4\): expr: "):
         Plan.from_json(plan)
 
@@ -107,7 +108,8 @@ def best_branch(s, topic):
     s += "Three words about " + topic + "."
     forks = s.fork(3)
     for i, f in enumerate(forks):
-        f += f"\nWord {i + 1}:" + sgl.gen("word", max_tokens=3, stop="\n") + "\nGood?" + sgl.select("good", choices=[" yes", " no"])
+        f += f"\nWord {i + 1}:" + sgl.gen("word", max_tokens=3, stop="\n")
+        f += "\nGood?" + sgl.select("good", choices=[" yes", " no"])
     forks.join()
     metas = s.get_meta_info("good")
     best = max(range(3), key=lambda i: metas[i]["normalized_prompt_logprobs"][0])

@@ -211,56 +211,11 @@ class Derived:
             return self._concrete(f"a comparison ({op}) with {type(other).__name__}")
         return _tracing.get().decide_expr(self.expr, op, operand)
 
-    def __eq__(self, other):
-        return self._decide("==", other)
-
     def __ne__(self, other):
         return not self._decide("==", other)
 
-    def __lt__(self, other):
-        return self._decide("<", other)
-
-    def __le__(self, other):
-        return self._decide("<=", other)
-
-    def __gt__(self, other):
-        return self._decide(">", other)
-
-    def __ge__(self, other):
-        return self._decide(">=", other)
-
     def __bool__(self):
         return _tracing.get().decide_expr(self.expr, "nonempty", None)
-
-    def __hash__(self):
-        return self._concrete("a dict or set lookup")
-
-    def __str__(self):
-        return self._concrete("str()")
-
-    def __repr__(self):
-        return self._concrete("repr()")
-
-    def __format__(self, spec):
-        return self._concrete("formatting")
-
-    def __float__(self):
-        return self._concrete("float()")
-
-    def __int__(self):
-        return self._concrete("int()")
-
-    def __index__(self):
-        return self._concrete("use as an index")
-
-    def __iter__(self):
-        return self._concrete("iteration")
-
-    def __len__(self):
-        return self._concrete("len()")
-
-    def __contains__(self, item):
-        return self._concrete("a membership test")
 
 
 def _operand(x, *constants):
@@ -286,3 +241,19 @@ def _arithmetic(op: str, reflected: bool):
 for _op, _name in (("+", "add"), ("-", "sub"), ("*", "mul"), ("/", "truediv")):
     setattr(Derived, f"__{_name}__", _arithmetic(_op, False))
     setattr(Derived, f"__r{_name}__", _arithmetic(_op, True))
+
+
+def _decision(op: str):
+    return lambda self, other: self._decide(op, other)
+
+
+def _needs_value(why: str):
+    return lambda self, *a: self._concrete(why)
+
+
+for _name, _op in (("eq", "=="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">=")):
+    setattr(Derived, f"__{_name}__", _decision(_op))
+for _name, _why in (("hash", "a dict or set lookup"), ("str", "str()"), ("repr", "repr()"), ("format", "formatting"),
+                    ("float", "float()"), ("int", "int()"), ("index", "use as an index"), ("iter", "iteration"),
+                    ("len", "len()"), ("contains", "a membership test")):
+    setattr(Derived, f"__{_name}__", _needs_value(_why))

@@ -11,8 +11,8 @@ Control flow that compares a generated or derived value (`if s["x"] == "yes"`, `
 
 Whatever needs a concrete value the trace does not have (int() of generated text, a dict lookup, a str method
 with arguments, a loop over a generated list, formatting a derived number, a tool called on a generated value, an
-error raised by the program) is a graph break: the segment ends in a `break` node that records where the body stands (`resume`:
-the number of body operations before it). At run time the executor runs the segment, then the body is traced
+error raised by the program) is a graph break: the segment ends in a `break` node that records where the body
+stands (`resume`: the number of body operations before it). At run time the executor runs the segment, then the body is traced
 again from its start with the instance's values, *replaying* the executed operations without emitting them: a
 value generated before the break is now `known`, and host code that reads it concretely gets the real value
 (each such read is recorded as a guard); tracing resumes at the break and records the next segment. Segments are
