@@ -77,5 +77,9 @@ def test_cache_manager_finds_the_batch_shared_prefix():
     assert mem.shared_prefix(reqs[:1]) == 0
     reqs[1].cache_protected_len = 3  # past it, request 2's positions are its own: they cannot count
     assert mem.shared_prefix(reqs) == 3
-    mem.table[3, 0] = 12  # a request on another prompt
-    assert mem.shared_prefix(reqs) == 0
+    searches = []
+    mem._search_shared = lambda rows, n, search=mem._search_shared: searches.append(n) or search(rows, n)
+    assert [mem.shared_prefix(reqs) for _ in range(3)] == [3] * 3 and searches == []  # a decode loop: kept
+    mem.table[3, 0] = 12  # a request on another prompt (its admission writes the row below its new tokens)
+    mem._written(3, 0, 1)
+    assert mem.shared_prefix(reqs) == 0 and searches == [3]

@@ -67,6 +67,10 @@ class CacheManager:
     def __init__(self, num_rows: int, context_length: int, num_slots: int, *, disabled: bool = False,
                  stats: dict | None = None):
         self.table = torch.zeros((num_rows, context_length), dtype=torch.int32)
+        self._table_np = self.table.numpy()  # the same memory: a decode step's few writes without torch's overhead
+        # Bumped by every write below a request's new tokens (_written): what shared_prefix's answer depends on
+        self._layout = 0
+        self._shared_memo: tuple = ()
         self.rows = RowAllocator(num_rows)
         self.slots = SlotAllocator(num_slots)
         self.tree = RadixCache(self.slots.free, disabled=disabled)
@@ -90,6 +94,7 @@ class CacheManager:
     def _written(self, row: int, lo: int, hi: int) -> None:
         """Host table row `row`, positions [lo, hi), changed outside a batch's new tokens: pending for the device."""
         if hi > lo:
+            self._layout += 1
             a, b = self.pending.get(row, (lo, hi))
             self.pending[row] = (min(a, lo), max(b, hi))
 
@@ -126,7 +131,7 @@ class CacheManager:
         """One slot for the next position of each request (a decode step). Returns the positions and slots."""
         slots = self._alloc(len(reqs))
         positions = [r.kv_len for r in reqs]
-        self.table[torch.tensor([r.row for r in reqs]), torch.tensor(positions)] = slots.to(torch.int32)
+        self._table_np[[r.row for r in reqs], positions] = slots.numpy()
         for r in reqs:
             r.kv_len += 1
         return positions, slots
@@ -185,14 +190,22 @@ class CacheManager:
         every request's cache_protected_len, and a shared block's, below its block_end, can agree, and there
         agreement is prefix-closed (a tree slot at position p implies the tree's path up to p, a block's slot the
         block's key), so a binary search over columns finds the end in
-        O(B log n): unrelated prompts end at the first column, a batch on one prompt at the last."""
+        O(B log n): unrelated prompts end at the first column, a batch on one prompt at the last. Columns below a
+        request's own_from change only through _written (admission, a borrowed block, adopted tree slots), so the
+        answer is kept for the same rows and n until then: a decode loop searches once."""
         n = min((own_from(r) for r in reqs), default=0)
         if len(reqs) < 2 or n == 0:
             return 0
-        rows = torch.tensor([r.row for r in reqs])
+        key = (self._layout, n, *(r.row for r in reqs))
+        if self._shared_memo[:-1] == key:
+            return self._shared_memo[-1]
+        found = self._search_shared([r.row for r in reqs], n)
+        self._shared_memo = (*key, found)
+        return found
 
+    def _search_shared(self, rows: list[int], n: int) -> int:
         def agree(p: int) -> bool:
-            col = self.table[rows, p]
+            col = self._table_np[rows, p]
             return bool((col == col[0]).all())
 
         if not agree(0):
