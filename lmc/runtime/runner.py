@@ -342,14 +342,15 @@ class ModelRunner:
         # Every new token's row, position and slot first: the [3, n] inputs of a CUDA graph's replay (cuda_graph.py).
         # A decode step's are its requests' rows and prefix lengths; an extend's are spelled out here, on the host,
         # so that its forward starts without index kernels (an extend is a chain's next call: latency).
-        rows_pre = torch.tensor(sb.rows + pre, dtype=torch.long)
+        rows_pre = sb.rows + pre
         if sb.is_decode:  # (its rows and prefix lengths are those of its tokens: not sent twice)
-            per_token, per_req = [rows_pre, sb.out_slots.long()], []
+            per_token, per_req = [rows_pre, sb.out_slots], []
         else:
-            per_token, per_req = [*_spans_index(sb.rows, pre, ext), sb.out_slots.long()], [rows_pre]
+            per_token, per_req = [*_spans_index(sb.rows, pre, ext), sb.out_slots], [rows_pre]
         n_tok, n_req = len(sb.out_slots), len(sb) if per_req else 0
-        host = torch.cat([*per_token, *per_req, torch.tensor(ints, dtype=torch.long), tw_rows, tw_cols,
-                          *[s.long() for _, _, s in tw]])
+        # one int64 array (numpy: a decode step's few parts without torch's per-op host cost)
+        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in (
+            *per_token, *per_req, ints, tw_rows, tw_cols, *[s for _, _, s in tw])]))
         sizes = [n_tok, n_tok, n_tok, n_req, n_req, len(sb), len(sb), len(sampled), len(logit_pos), len(sb.input_ids),
                  len(fb), len(fb), len(tw_rows), len(tw_cols), len(tw_rows)]
         shape = (sb.is_decode, max(ext), max(p + e for p, e in zip(pre, ext)), len(sb.out_slots), sb.shared_prefix)
