@@ -68,7 +68,8 @@ class CacheManager:
                  stats: dict | None = None):
         self.table = torch.zeros((num_rows, context_length), dtype=torch.int32)
         self._table_np = self.table.numpy()  # the same memory: a decode step's few writes without torch's overhead
-        # Bumped by every write below a request's new tokens (_written): what shared_prefix's answer depends on
+        # Bumped by every admission and every write below a request's new tokens (_written): what shared_prefix's
+        # answer depends on
         self._layout = 0
         self._shared_memo: tuple = ()
         self.rows = RowAllocator(num_rows)
@@ -112,6 +113,7 @@ class CacheManager:
         row = self.rows.alloc()
         if row is None:
             return False
+        self._layout += 1  # the row's new owner writes its columns from 0 on: what shared_prefix kept is stale
         p = len(r.prefix_slots)
         if p:
             self.table[row, :p] = r.prefix_slots.to(torch.int32)
@@ -191,8 +193,9 @@ class CacheManager:
         agreement is prefix-closed (a tree slot at position p implies the tree's path up to p, a block's slot the
         block's key), so a binary search over columns finds the end in
         O(B log n): unrelated prompts end at the first column, a batch on one prompt at the last. Columns below a
-        request's own_from change only through _written (admission, a borrowed block, adopted tree slots), so the
-        answer is kept for the same rows and n until then: a decode loop searches once."""
+        request's own_from change only at an admission or through _written (a borrowed block, adopted tree slots),
+        so the answer is kept for the same rows and n until then: a decode loop searches once (`check` verifies
+        it)."""
         n = min((own_from(r) for r in reqs), default=0)
         if len(reqs) < 2 or n == 0:
             return 0
@@ -352,6 +355,9 @@ class CacheManager:
                                    b.slots[r.cache_protected_len - b.start:r.block_end - b.start]), \
                     "a borrowed prefix disagrees with its block"
         assert all(b.holders == n for b, n in holders.items()), "a block's holder count drifted"
+        if self._shared_memo and self._shared_memo[0] == self._layout:
+            _, n, *kept_rows, kept = self._shared_memo
+            assert self._search_shared(kept_rows, n) == kept, "the kept shared prefix is stale"
         for r in resident:
             assert r.last_node is not None
             assert r.cache_protected_len <= r.kv_done <= r.kv_len <= r.seq_len, "KV lengths out of order"
