@@ -117,6 +117,17 @@ def best_branch(s, topic):
     s += "\nThe best word:" + s["word"][best].strip() + ". Why?" + sgl.gen("why", max_tokens=6, stop="\n")
 
 
+@sgl.function
+def gathered_str(s, question):
+    s += question
+    forks = s.fork(2)
+    for f in forks:
+        f += " A:" + sgl.gen("g", max_tokens=3)
+    forks.join()
+    value = s["g"]  # a list of the branches' values: its length is known, str() of it reads them (a break)
+    s += f" [{len(value)}:{str(value).strip()[:3]}]" + sgl.gen("after", max_tokens=3)
+
+
 def test_decisions_on_derived_values_compile_to_one_segment():
     g = trace(margin_decision).validate()
     assert g.static() and g.count("branch") == 1
@@ -137,13 +148,15 @@ def test_a_graph_that_reads_an_undefined_variable_in_an_expression_is_refused():
 
 
 @pytest.mark.parametrize("prog, args", [(margin_decision, {"question": "Is the sky blue?"}),
-                                        (best_branch, {"topic": "rain"})], ids=["margin", "best_branch"])
+                                        (best_branch, {"topic": "rain"}), (gathered_str, {"question": "Sky?"})],
+                         ids=["margin", "best_branch", "gathered_str"])
 def test_derived_values_run_compiled_like_the_interpreter(engine, prog, args):
     backend = sgl.Local(engine=engine)
     interpreted = prog.run(backend=backend, temperature=0, **args)
     compiled = prog.compile()
     state = compiled.run(backend=backend, temperature=0, **args)
-    assert compiled.breaks() == (False, [])
+    assert [b["reason"] for b in compiled.breaks()[1]] == (
+        [] if prog is not gathered_str else ["str() of a gathered list needs the value of generated 'g'"])
     assert state.variables() == interpreted.variables() and state.text() == interpreted.text()
 
 

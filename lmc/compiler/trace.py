@@ -454,14 +454,17 @@ def _gathered(parent: Bindings, branches: list[Bindings]) -> list[str]:
 
 class _Gathered(list):
     """A gathered variable read after its join: one symbol per branch (`s["thought"][i]`, a loop over them), and
-    as a whole, the variable (formatted, it renders the list as the interpreter's f-string does)."""
+    as a whole, the variable (formatted, it renders the list as the interpreter's f-string does). str() of it reads
+    its value (a graph break): what the body does with that str next is not traced."""
 
     def __init__(self, name: str, items: list[Symbol]):
         super().__init__(items)
         self._whole = Symbol("var", name)
 
     def __str__(self) -> str:
-        return str(self._whole)
+        return self._whole._concrete("str() of a gathered list")
+
+    __repr__ = __str__
 
     def __format__(self, spec: str) -> str:
         return format(self._whole, spec)
