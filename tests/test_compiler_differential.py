@@ -75,6 +75,8 @@ def backend(engine):
 @given(plan=steps(1), question=st.sampled_from(["Is the sky blue?", "Name a color.", "What is 6 times 7?"]))
 # a select its children score, then a fork: the branches' results reached the program before the select's
 @example(plan=[("select", [" 1", " 2"]), ("fork", 1, [("gen", 1)])], question="Is the sky blue?")
+# host code on a gathered list: its length is known while tracing, str() of it reads the values
+@example(plan=[("fork", 1, [("gen", 1)]), ("host",)], question="Is the sky blue?")
 def test_compiled_equals_interpreted_on_random_programs(backend, plan, question):
     prog = build(plan)
     interpreted = prog.run(question=question, backend=backend, temperature=0)
