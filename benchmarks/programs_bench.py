@@ -6,8 +6,9 @@ call, next to the engine).
 
     flock /tmp/lmc-bench.lock python benchmarks/programs_bench.py [--reps 5] [--out benchmarks/results/programs_latency.json]
 
-Programs: a chain of 6 short gens and selects (static: no graph break), and the examples tree_of_thought, judge
-and react_agent (with graph breaks: host code between segments). One instance at a time, temperature 0; the ways
+Programs: a chain of 6 short gens and selects and the example tree_of_thought (static: no graph break; its host
+code, scores from the selects' logprobs and the best branch, traces into expressions since session 26), and the
+examples judge and react_agent (with graph breaks: host code between segments). One instance at a time, temperature 0; the ways
 alternate within each repetition (their order rotating), after one warm-up run of each (the servers' prefix
 caches are warm for every way: each run repeats the same prompts, as a deployed program's instances share their
 constant prefixes). Also recorded: the HTTP requests one instance makes each way (a static instance must make
@@ -143,7 +144,7 @@ def main() -> None:
                 "same_variables": all(o == outs["interpreted"][0] for w in WAYS for o in outs[w]),
                 "differences": differences(outs),
                 "engine": {w: {k: spread(v) for k, v in engine[w].items()} for w in WAYS}}
-            if name == "chain6":  # the static instance: exactly one HTTP request, every run
+            if not prog.compile().breaks()[1]:  # a static instance: exactly one HTTP request, every run
                 results[name]["static_one_request"] = all(n == 1 for n in reqs["compiled"])
             print(name, "ratio", json.dumps(results[name]["ratio"]), "forwards", json.dumps(forwards),
                   "continuation", json.dumps(results[name]["continuation_ratio"]), "requests", reqs, "same:",

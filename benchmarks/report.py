@@ -610,7 +610,7 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
              fig(w["forwards_ratio"], 2), fig(w["continuation_ratio"], 2), count(w["requests_interpreted"]),
              count(w["requests_compiled"]), "yes" if w["same_variables"] else "no"]
             for name, w in r["workloads"].items()]
-    static = r["workloads"].get("chain6", {}).get("static_one_request")
+    static = {name: w["static_one_request"] for name, w in r["workloads"].items() if "static_one_request" in w}
     return "\n".join([
         f"## Whole programs on the server: POST /v1/programs, one instance at a time ({where})\n",
         f"{r['model']} behind `lmc serve` (a separate process, {where}). The compiled program sends each segment (the "
@@ -623,8 +623,8 @@ def render_programs_latency(r: dict, _dir: Path) -> str:
         "after a warm-up run of each; ratio = compiled / interpreted and continuation = compiled / compiled "
         "without continuation, per repetition; forwards = the compiled way's engine forwards over the "
         "interpreted way's, per repetition: the ratio if every forward cost the same and nothing else took time."
-        + ("" if static is None else f" The static chain made exactly one HTTP request in every run: "
-                                     f"{'yes' if static else 'no'}.") + "\n",
+        + ("" if not static else f" The static instances ({', '.join(static)}) made exactly one HTTP request "
+                                 f"in every run: {'yes' if all(static.values()) else 'no'}.") + "\n",
         command(r) + f" Run note: {r['note']}.", "",
         table(["program", "interpreted", "compiled (/v1/programs)", "compiled, no continuation", "ratio",
                "target", "forwards", "continuation", "HTTP requests interpreted", "HTTP requests compiled",
