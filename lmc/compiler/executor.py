@@ -20,9 +20,9 @@ from ..protocol import (capabilities, greedy_token_selection, token_length_norma
 from ..protocol.backend import SpecStep, set_current_stream
 from ..frontend.primitives import render_unordered
 from ..frontend.state import Stream
+from ..ir.expr import evaluate, is_expr
 from .hints import hints_table, request_hints
 from .lower import Branch, Break, Call, Extend, Fork, Generate, Join, Op, Part, Plan, Scope, Score, SetVar
-from ..ir.expr import evaluate, is_expr
 from .values import apply_transforms, holds
 
 METHODS = {type(m).__name__: m for m in (token_length_normalized, greedy_token_selection,
