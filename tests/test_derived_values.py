@@ -13,6 +13,7 @@ from lmc.compiler.symbols import Derived, GraphBreak
 from lmc.compiler.trace import trace
 from lmc.ir import IRValidationError
 from lmc.ir.expr import MAX_NODES, check, evaluate, format_expr, reads
+from lmc.ir.text import parse_graph, print_graph
 from test_examples import load
 
 META = {"ok": {"normalized_prompt_logprobs": [-0.25, -1.5], "prompt_tokens": 7}}
@@ -164,3 +165,4 @@ def test_tree_of_thought_is_one_segment():
     """Its host code (scores from the selects' logprobs, the best branch, its thought) is all derived values."""
     g = trace(load("tree_of_thought").tree_of_thought).validate()
     assert g.static() and g.count("break") == 0
+    assert parse_graph(print_graph(g)) == g  # its expressions print and parse back (.lmir: JSON attributes)
