@@ -89,6 +89,23 @@ def test_tree_of_thought_is_one_request_and_matches_interpreted(counted):
     assert compiled.variables() == interpreted.variables() and compiled.text() == interpreted.text()
 
 
+def test_an_expression_that_fails_fails_its_instance_alone(counted):
+    """The server evaluates a plan's expressions: one that raises (here a division by zero) is that instance's
+    error, after the calls before it ran; the server serves the next call as before."""
+    srv, _, ep = counted
+    tot = load("tree_of_thought").tree_of_thought
+    bad = _plan_json(tot, ep)
+    scores = next(o for o in bad["ops"] if o["op"] == "set")
+    scores["expr"] = ["/", ["item", ["item", ["item", ["meta", "correct"], 0], "normalized_prompt_logprobs"], 0], 0]
+    r = _post(srv, {"program": bad, "arguments": [{"question": "What is 2 + 3?"}], "sampling": {"temperature": 0}})
+    assert r.status_code == 200, r.text
+    [x] = r.json()["instances"]
+    assert "division by zero" in x["error"]["message"] and len(x["variables"]["thought"]) == 3
+    r = _post(srv, {"program": _plan_json(tot, ep), "arguments": [{"question": "What is 2 + 3?"}],
+                    "sampling": {"temperature": 0}})
+    assert r.status_code == 200 and r.json()["instances"][0]["error"] is None
+
+
 def test_segment_without_model_calls_runs_on_the_client(counted):
     srv, app, ep = counted
     interpreted = gen_then_host.run(topic="rain", backend=ep, temperature=0)
