@@ -902,8 +902,9 @@ def render_readme_block(results_dir: Path = RESULTS_DIR) -> str:
     for name, line_of in README_LINES.items():
         r = load(name)
         line = line_of(r) if r else None
-        if line:
-            lines.append(line)
+        if line:  # each figure traceable to its record: the JSON and the day it ran
+            day = r.get("provenance", {}).get("started", "")[:10]
+            lines.append(f"{line.removesuffix('.')} (`results/{name}`{', ' + day if day else ''}).")
     return "\n".join([README_BEGIN, *lines, README_END])
 
 
