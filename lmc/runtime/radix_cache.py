@@ -88,8 +88,34 @@ class RadixCache:
         if the match ends inside it). Refreshes the LRU time of the path."""
         if self.disabled or not key:
             return _EMPTY, self.root
-        key = tuple(key)
-        node, pos, values, now = self.root, 0, [], next(self._clock)
+        path, _, _ = self._descend(tuple(key))
+        return (torch.cat([n.value for n in path]) if path else _EMPTY), (path[-1] if path else self.root)
+
+    def peek(self, key: Sequence[int]) -> torch.Tensor:
+        """Slots of the longest cached prefix, without splitting or touching anything (for checks)."""
+        values = [node.value[:n] for node, n in self._matched(tuple(key))]
+        return torch.cat(values) if values else _EMPTY
+
+    def prefix_len(self, key: Sequence[int]) -> int:
+        """len(peek(key)), without gathering the slots."""
+        return sum(n for _, n in self._matched(tuple(key)))
+
+    def _matched(self, key: tuple):
+        """The nodes along key's longest cached prefix, each with how many of its tokens match (all but perhaps
+        the last's), touching nothing."""
+        node, pos = self.root, 0
+        while pos < len(key) and key[pos] in node.children:
+            node = node.children[key[pos]]
+            n = common_prefix_len(node.key, key[pos:pos + len(node.key)])
+            yield node, n
+            pos += n
+            if n < len(node.key):
+                return
+
+    def _descend(self, key: tuple) -> tuple[list[Node], int, int]:
+        """Walk key's longest cached prefix, splitting the edge where it ends inside one, so that it ends at a
+        node, and refreshing the path's LRU time: (the path's nodes, root excluded; the tokens matched; the time)."""
+        node, pos, path, now = self.root, 0, [], next(self._clock)
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
@@ -98,32 +124,9 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)  # the part below the match keeps its old access time
             child.last_access = now
-            values.append(child.value)
+            path.append(child)
             node, pos = child, pos + n
-        return (torch.cat(values) if values else _EMPTY), node
-
-    def peek(self, key: Sequence[int]) -> torch.Tensor:
-        """Slots of the longest cached prefix, without splitting or touching anything (for checks)."""
-        key, node, pos, values = tuple(key), self.root, 0, []
-        while pos < len(key) and key[pos] in node.children:
-            node = node.children[key[pos]]
-            n = common_prefix_len(node.key, key[pos:pos + len(node.key)])
-            values.append(node.value[:n])
-            pos += n
-            if n < len(node.key):
-                break
-        return torch.cat(values) if values else _EMPTY
-
-    def prefix_len(self, key: Sequence[int]) -> int:
-        """len(peek(key)), without gathering the slots."""
-        key, node, pos = tuple(key), self.root, 0
-        while pos < len(key) and key[pos] in node.children:
-            node = node.children[key[pos]]
-            n = common_prefix_len(node.key, key[pos:pos + len(node.key)])
-            pos += n
-            if n < len(node.key):
-                break
-        return pos
+        return path, pos, now
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Insert key -> slots. Returns how many leading tokens were already cached: the caller owns (and must
@@ -131,16 +134,8 @@ class RadixCache:
         if self.disabled or not key:
             return 0
         key = tuple(key)
-        node, pos, now = self.root, 0, next(self._clock)
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            n = common_prefix_len(child.key, key[pos:pos + len(child.key)])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            node, pos = child, pos + n
+        path, pos, now = self._descend(key)
+        node = path[-1] if path else self.root
         if pos < len(key):
             leaf = Node(key[pos:], value[pos:].clone(), parent=node)
             leaf.last_access = now
