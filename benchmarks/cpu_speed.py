@@ -8,6 +8,9 @@ Configurations (all in one process, alternated within every repetition):
 - compiled: the kernel plus the torch.compile'd forward (`enable_torch_compile=True`).
 - bf16:     the kernel with `dtype="bfloat16"`: the linears in bf16 on oneDNN (AMX or AVX-512 BF16), the rest fp32
             (model/linear.py); its outputs may differ from fp32's.
+- blocks:   the kernel with the linears on the GGUF's Q4_1 / Q8_0 blocks (model/gguf_blocks.py; the engine's default
+            since): the same outputs as `kernel`, bit for bit, from ~96 MB of weights a step instead of 540.
+The first four run the linears on fp32 panels (`gguf_blocks=False`).
 The batched sampler serves all three (it replaced the per-request loops; greedy decoding is an argmax either way).
 
 Measures:
@@ -52,10 +55,11 @@ from record import SHARED_MACHINE_NOTE, finish, provenance, spread  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 CONFIGS = {
-    "before": {"attention_backend": "torch"},
-    "kernel": {"attention_backend": "cpu"},
-    "compiled": {"attention_backend": "cpu", "enable_torch_compile": True},
+    "before": {"attention_backend": "torch", "gguf_blocks": False},
+    "kernel": {"attention_backend": "cpu", "gguf_blocks": False},
+    "compiled": {"attention_backend": "cpu", "enable_torch_compile": True, "gguf_blocks": False},
     "bf16": {"attention_backend": "cpu", "dtype": "bfloat16"},
+    "blocks": {"attention_backend": "cpu"},
 }
 OUT = os.path.join(os.path.dirname(__file__), "results", "cpu_speed.json")
 

@@ -67,7 +67,8 @@ class Engine:
                  cuda_graph_max_bs: int = 256, weights=None, enable_jump_forward: bool = True,
                  max_top_logprobs: int = 20, start: bool = True, enable_torch_compile: bool = False,
                  tensor_parallel_size: int = 1, overlap_schedule: bool | None = None,
-                 enable_continuation: bool = True, busy_prefill_tokens: int | None = None):
+                 enable_continuation: bool = True, busy_prefill_tokens: int | None = None,
+                 gguf_blocks: bool = True):
         """`weights`: optional callable returning (name, tensor) pairs in transformers' naming, loaded instead of
         the model's own (used to put one set of weights into lmc and a reference model).
         `dtype`: "auto" is bf16 on CUDA, fp32 on the CPU. "bfloat16" on a CPU with AMX or AVX-512 BF16 runs the
@@ -90,10 +91,13 @@ class Engine:
         the tokenizer's canonical encoding of the output text (tests).
         `overlap_schedule`: process each step's output while the next step runs on the device (scheduler/). None:
         on where it pays, i.e. on CUDA; on the CPU the forward already uses every core, and the host's share of
-        a step is too small to win back what a second thread costs it (benchmarks/overlap_bench.py). Outputs are
-        the same either way.
+        a step is too small to gain from it (benchmarks/overlap_bench.py; decode at batch 1, 4 and 16 within noise
+        of it off). Outputs are the same either way.
         `enable_continuation`: whether program backends (lmc.Local) run a chain of calls as one request
-        (`submit_chain`, runtime/continuation.py); off, they make one request per call. Outputs are the same."""
+        (`submit_chain`, runtime/continuation.py); off, they make one request per call. Outputs are the same.
+        `gguf_blocks`: a model loaded from a GGUF (the embedded one) runs its Q4_1 and Q8_0 linears on the CPU from
+        the file's blocks (model/gguf_blocks.py): a decode step reads ~96 MB instead of 540 (SmolLM2-135M). Off,
+        from fp32 panels. Outputs are the same."""
         if busy_prefill_tokens is not None and (not isinstance(busy_prefill_tokens, int) or busy_prefill_tokens < 1):
             # (0 would never prefill while anything decodes)
             raise ValueError(f"busy_prefill_tokens must be a positive int or None, got {busy_prefill_tokens!r}")
@@ -122,11 +126,11 @@ class Engine:
         if max_total_tokens is None:
             max_total_tokens = _CPU_DEFAULT_TOKENS if dev.type == "cpu" else None
         self.overlap_schedule = dev.type == "cuda" if overlap_schedule is None else bool(overlap_schedule)
-        self.runner = _make_runner(src, weights, dev, tensor_parallel_size, dict(
+        blocks = src.gguf if gguf_blocks and weights is None and dev.type == "cpu" and matmul_dt is None else None
+        self.runner = _make_runner(src, weights, dev, tensor_parallel_size, blocks, dict(
             dtype=dt, matmul_dtype=matmul_dt, attention=attention_backend, max_total_tokens=max_total_tokens or 0,
             max_running=max_running_requests, context_length=ctx, seed=seed, mem_fraction=mem_fraction_static,
-            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile,
-            threaded=self.overlap_schedule and dev.type == "cpu"))
+            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile))
         self.context_length = ctx
         self.device = dev
         self.vocab_size = self.runner.cfg.vocab_size
@@ -499,6 +503,7 @@ class Engine:
             "waiting_requests": len(waiting), "waiting_prompt_tokens": sum(len(r.input_ids) for r in waiting)}
 
     def _loop(self) -> None:
+        self.runner.host_thread()
         sched = self.scheduler
         while True:
             try:
@@ -630,10 +635,12 @@ class Engine:
             log.error("rebuilding the KV memory failed", exc_info=e)
 
 
-def _make_runner(src, weights, device: torch.device, tensor_parallel_size: int, kwargs: dict) -> ModelRunner:
-    """The whole model in this process, or rank 0 of `tensor_parallel_size` ranks (runtime/distributed)."""
+def _make_runner(src, weights, device: torch.device, tensor_parallel_size: int, gguf_blocks, kwargs: dict
+                 ) -> ModelRunner:
+    """The whole model in this process, or rank 0 of `tensor_parallel_size` ranks (runtime/distributed; their
+    shards keep fp32 panels)."""
     if tensor_parallel_size == 1:
-        return ModelRunner(src.hf_config, weights or src.weights, device=device, **kwargs)
+        return ModelRunner(src.hf_config, weights or src.weights, device=device, gguf_blocks=gguf_blocks, **kwargs)
     if weights is not None:
         raise ValueError("weights= cannot be combined with tensor_parallel_size > 1: every rank reads its own "
                          "slices of the model's files")

@@ -9,6 +9,7 @@ All of this is index bookkeeping in torch; it runs the same on CPU and GPU.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 DUMMY_ROW = 0  # the slot-table row that stays all zeros (see RowAllocator)
@@ -47,7 +48,7 @@ class SlotAllocator:
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        self._free = torch.from_numpy(np.arange(1, num_slots + 1))  # numpy: no OpenMP region (runner.py)
         self._released: list[torch.Tensor] = []
         self._n_released = 0  # sum of len(t) over _released: admission asks `available` per waiting request
 

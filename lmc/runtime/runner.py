@@ -12,9 +12,13 @@ A step is split so that the host can work while the device computes (overlap sch
   table row: the request's last token, which its next decode step reads on the device), and start their copy to
   the host. Separate from launch because a grammar's mask needs the previous step's token accepted first.
 - `collect(handle)`: wait for the sampled ids; logprobs for the requests that asked.
-On CUDA the device work is asynchronous by nature (one stream). On the CPU, with `threaded=True`, it runs on one
-worker thread in submission order, the CPU's stand-in for a stream; otherwise inline. Either way, errors raised by
-device work surface at collect(). The device slot table and token buffer are only ever touched by device work,
+On CUDA the device work is asynchronous by nature (one stream). On the CPU it runs on one thread in submission
+order, the CPU's stand-in for a stream, one per process (`_cpu_device`), which also builds the model and the KV
+memory: every OpenMP region of the engines in a process starts on that one thread, and their scheduler threads
+run their own torch ops serially (`host_thread`). (Where two threads each run parallel regions, libgomp counts more
+threads than cores and cuts its spin-wait short: each of a decode step's ~120 small parallel regions then wakes
+its second thread through the kernel, and the embedded model's linears took 8.0 ms a step instead of 3.6.) Either
+way, errors raised by device work surface at collect(). The device slot table and token buffer are only ever touched by device work,
 in stream order: the scheduler keeps its own host copy of the table and never reads this one.
 Under tensor parallelism every rank runs the same `_forward` on its shard: rank 0 broadcasts the packed step to the
 workers (distributed/workers.py), each writes its own slot table from it, and a step that reads the token buffer
@@ -23,6 +27,7 @@ first copies rank 0's (only rank 0 samples) to every rank, in stream order like 
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +39,7 @@ from .attention import ForwardBatch, make_backend
 from .core import Req
 from .grammar import apply_grammar_masks
 from .memory import DUMMY_ROW, KVCache
+from .model.gguf_blocks import attach_gguf_blocks
 from .model.linear import prepack_linears
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
 from .sampling import sample, token_logprobs
@@ -193,41 +199,54 @@ class _Inline:
             fut.set_exception(e)
         return fut
 
-    def close(self) -> None:
-        pass
+
+_cpu_lock = threading.Lock()
+_cpu_thread: list[ThreadPoolExecutor] = []
 
 
-class _Worker:
-    """Device work run in submission order on one thread: the CPU's stand-in for a CUDA stream."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmc-forward")
-
-    def submit(self, fn, *args) -> Future:
-        return self._pool.submit(fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+def _cpu_device() -> ThreadPoolExecutor:
+    """The CPU's stand-in for a CUDA stream: device work run in submission order on one thread, one per process and
+    shared by its CPU engines, so that the process's OpenMP regions start on one thread however many engines it
+    holds (module docstring)."""
+    with _cpu_lock:
+        if not _cpu_thread:
+            _cpu_thread.append(ThreadPoolExecutor(1, thread_name_prefix="lmc-cpu-device"))
+        return _cpu_thread[0]
 
 
 class ModelRunner:
     def __init__(self, hf_config, weights, *, device: torch.device, dtype: torch.dtype, attention: str,
                  max_total_tokens: int, max_running: int, context_length: int, seed: int = 0,
                  mem_fraction: float = 0.85, cuda_graph_max_bs: int = 256, enable_torch_compile: bool = False,
-                 threaded: bool = False, tp=None, matmul_dtype: torch.dtype | None = None):
+                 tp=None, matmul_dtype: torch.dtype | None = None, gguf_blocks=None):
         """`enable_torch_compile`: run forwards that are not CUDA-graph replays through torch.compile (compiled.py),
         compiling at construction (a warm-up forward per shape class) so no request waits for it.
-        `threaded`: run device work on a worker thread (CPU overlap scheduling; see the module docstring).
         `tp`: this rank's distributed.workers.RankShard under tensor parallelism (None: the whole model here);
         `weights` then yields safetensors slices, of which only this rank's pieces are read.
         `matmul_dtype`: the CPU linears' weights packed in this dtype (bf16: model/linear.py), the rest of the model
-        and the KV cache in `dtype`; None: `dtype` throughout."""
+        and the KV cache in `dtype`; None: `dtype` throughout.
+        `gguf_blocks`: the GGUF the weights came from, whose Q4_1 / Q8_0 blocks the CPU's fp32-panel linears then
+        run on (model/gguf_blocks.py: the same outputs, fewer bytes a step)."""
         self.cfg = ModelConfig.from_hf(hf_config)
         self.device, self.dtype = device, dtype
         self.context_length = context_length
         self.tp = tp
+        self._pinned = device.type == "cuda"
+        # The stream every step runs on, looked up once: torch.cuda.current_stream() costs ~40 us of host time a
+        # call on the lent H100's host (a profile of a decode loop), and sampling records an event on it each step
+        self._stream = torch.cuda.current_stream(device) if self._pinned else None
+        self._work = _cpu_device() if device.type == "cpu" else _Inline()
+        self.run_on_device(self._setup, hf_config, weights, seed, dtype, matmul_dtype, gguf_blocks, attention,
+                           max_total_tokens, max_running, mem_fraction, enable_torch_compile, cuda_graph_max_bs)
+
+    def _setup(self, hf_config, weights, seed, dtype, matmul_dtype, gguf_blocks, attention, max_total_tokens,
+               max_running, mem_fraction, enable_torch_compile, cuda_graph_max_bs) -> None:
+        """The model, the KV memory and the attention backend (on the device's thread: the CPU's is _cpu_device)."""
+        device, context_length, tp = self.device, self.context_length, self.tp
         model = self._build_model(weights, seed)
         prepack_linears(model, matmul_dtype or dtype)  # CPU: weights into panels or oneDNN's layout (linear.py)
+        # how many linears run on GGUF blocks
+        self.gguf_block_linears = attach_gguf_blocks(model, gguf_blocks) if gguf_blocks is not None else 0
         self.model = model.eval()
         self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)
@@ -247,11 +266,6 @@ class ModelRunner:
         self.num_rows = max_running + 2
         self.table = torch.zeros((self.num_rows, context_length), dtype=torch.int32, device=device)
         self.token_buf = torch.zeros(self.num_rows, dtype=torch.long, device=device)
-        self._pinned = device.type == "cuda"
-        # The stream every step runs on, looked up once: torch.cuda.current_stream() costs ~40 us of host time a
-        # call on the lent H100's host (a profile of a decode loop), and sampling records an event on it each step
-        self._stream = torch.cuda.current_stream(device) if self._pinned else None
-        self._work = _Worker() if threaded else _Inline()
         self.step_model = model
         if enable_torch_compile:
             from .compiled import CompiledForward
@@ -282,6 +296,19 @@ class ModelRunner:
             model.load_weights(weights(), select=None if tp is None else tp.selector(self.cfg.head_dim).select)
         return model
 
+    def host_thread(self) -> None:
+        """On the CPU, make the calling thread (the scheduler's) run its torch ops on itself alone, so that the
+        device thread's are the engine's only OpenMP regions (module docstring); other threads keep their count."""
+        if self.device.type == "cpu":
+            threads = self.run_on_device(torch.get_num_threads)
+            torch.get_num_threads()  # (torch sets a thread's count from the default at its first use: done here)
+            torch.set_num_threads(1)  # this thread's, and the default of threads yet to run a torch op...
+            self.run_on_device(torch.set_num_threads, threads)  # ...which the device thread sets back
+
+    def run_on_device(self, fn, *args):
+        """fn(*args) in the device's order, on its thread (the CPU's worker: see the module docstring)."""
+        return self._work.submit(fn, *args).result()
+
     @property
     def failure(self) -> str | None:
         """Why this runner can run no more forwards (a failed tensor-parallel group), or None."""
@@ -307,9 +334,9 @@ class ModelRunner:
             self.step_model(t([0] * n), batch)
 
     def close(self) -> None:
-        """Stop the worker thread, then the tensor-parallel workers; drop the CUDA graphs, KV buffers, tables and
-        weights (Engine.shutdown)."""
-        self._work.close()
+        """Wait for the device work submitted so far, stop the tensor-parallel workers; drop the CUDA graphs, KV
+        buffers, tables and weights (Engine.shutdown)."""
+        self.run_on_device(lambda: None)  # the device thread runs in order: everything before has run
         if self.tp is not None:
             self.tp.close()
         self.graphs = self.kv = self.table = self.token_buf = self.model = self.step_model = None
@@ -438,7 +465,7 @@ class ModelRunner:
             return
         rows = [row for row, _, _ in spans]
         n = max(n for _, n, _ in spans)
-        dev = self._work.submit(lambda: self.table[torch.tensor(rows, device=self.device), :n].cpu()).result()
+        dev = self.run_on_device(lambda: self.table[torch.tensor(rows, device=self.device), :n].cpu())
         for i, (row, k, skip) in enumerate(spans):
             differs = dev[i, :k] != host[row, :k]
             for lo, hi in skip:
@@ -459,7 +486,7 @@ class ModelRunner:
                 next_ids[i] = t
         out = StepOutput(next_ids, [None] * n, [[] for _ in range(n)])
         if h.sb.logprob_reqs:
-            self._logprobs(h, logits, out)
+            self.run_on_device(self._logprobs, h, logits, out)
         return out
 
     @torch.inference_mode()

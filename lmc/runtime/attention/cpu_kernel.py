@@ -18,7 +18,9 @@ rounded as the linear would round them, so no fp32 copy of a bf16 activation is 
 fp32 activations rounded at each linear's input.
 
 On AVX-512 and AVX2 CPUs, a GEMM for the linears (`pack_panels`, `panel_linear`; model/linear.py): weights in panels
-of 48 (AVX-512) or 16 (AVX2) outputs, streamed once per 8 or 6 rows of x.
+of 48 (AVX-512) or 16 (AVX2) outputs, streamed once per 8 or 6 rows of x; and the same GEMM over a GGUF's Q4_1 or
+Q8_0 blocks (`pack_block_panels`, `block_panel_linear`; model/gguf_blocks.py), dequantized into L1 a k-block at a
+time, whose results equal `panel_linear`'s on the dequantized weight bit for bit.
 
 Built with OpenMP (-fopenmp): every at::parallel_for here is an `omp parallel` region on torch's intra-op threads,
 each thread computing whole outputs (a GEMM panel, an attention work item, a row), so results do not depend on the
@@ -552,20 +554,39 @@ at::Tensor pack_panels(const at::Tensor& w) {
 }
 
 // One row group (MB <= kRows rows of x, interleaved: xg[k * kRows + i] is row i's x[k]) x k-rows [k0, k1) of one
-// panel (outputs n0 .. n0 + kPanel - 1, `mask[j]` selecting the valid ones of the j-th vector, all of them when `full`:
+// panel (`wk`: its k-row k0; outputs n0 .. n0 + kPanel - 1, `mask[j]` selecting the valid ones of the j-th vector, all of them when `full`:
 // masked stores are slow on AMD's cores): accumulators start
 // at 0 when `first`, else from y; y gets them back, plus the bias when `last`. The interleaving puts the kRows
 // broadcasts of a k-row at fixed offsets of one pointer: with 8 row pointers the compiler spilled the loop's state
 // to the stack and the kernel ran at half the FMA rate.
-template <int MB, typename W>
-static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const W* wp, float* y, int64_t N,
-                               const lane_mask* mask, bool full, const float* bias, bool first, bool last,
-                               bool prefetch) {
-  vec acc[MB][kVecs];
+// A row group's accumulators: from 0 when `first`, else from y (an fp32 store and load are exact).
+template <int MB>
+static inline void acc_load(vec (&acc)[MB][kVecs], const float* y, int64_t N, const lane_mask* mask, bool full,
+                            bool first) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kVecs; ++j)
       acc[i][j] = first ? vzero() : full ? vload(y + i * N + kLanes * j) : vload_masked(y + i * N + kLanes * j, mask[j]);
-  const W* wk = wp + k0 * kPanel;
+}
+
+// ... back to y, plus the bias when `last`.
+template <int MB>
+static inline void acc_store(vec (&acc)[MB][kVecs], float* y, int64_t N, const lane_mask* mask, bool full,
+                             const float* bias, bool last) {
+  for (int j = 0; j < kVecs; ++j) {
+    const vec b = last && bias ? vload_masked(bias + kLanes * j, mask[j]) : vzero();
+    for (int i = 0; i < MB; ++i) {
+      if (full) vstore(y + i * N + kLanes * j, vadd(acc[i][j], b));
+      else vstore_masked(y + i * N + kLanes * j, mask[j], vadd(acc[i][j], b));
+    }
+  }
+}
+
+template <int MB, typename W>
+static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const W* wk, float* y, int64_t N,
+                               const lane_mask* mask, bool full, const float* bias, bool first, bool last,
+                               bool prefetch) {
+  vec acc[MB][kVecs];
+  acc_load<MB>(acc, y, N, mask, full, first);
   const float* xk = xg + k0 * kRows;
   for (int64_t k = k0; k < k1; ++k, wk += kPanel, xk += kRows) {
     if (prefetch) {  // harmless past the end of the weight: a prefetch never faults
@@ -580,47 +601,197 @@ static inline void panel_block(const float* xg, int64_t k0, int64_t k1, const W*
       for (int j = 0; j < kVecs; ++j) acc[i][j] = vfma(xv, w[j], acc[i][j]);
     }
   }
-  for (int j = 0; j < kVecs; ++j) {
-    const vec b = last && bias ? vload_masked(bias + kLanes * j, mask[j]) : vzero();
-    for (int i = 0; i < MB; ++i) {
-      if (full) vstore(y + i * N + kLanes * j, vadd(acc[i][j], b));
-      else vstore_masked(y + i * N + kLanes * j, mask[j], vadd(acc[i][j], b));
-    }
-  }
+  acc_store<MB>(acc, y, N, mask, full, bias, last);
 }
 
 // panel_block for a group of `rows` (1 .. MB) rows: the row count is a template argument, so the accumulators stay
 // in registers.
 template <int MB, typename W>
-static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t k1, const W* wp, float* y,
+static inline void panel_rows(int64_t rows, const float* xg, int64_t k0, int64_t k1, const W* wk, float* y,
                               int64_t N, const lane_mask* mask, bool full, const float* bias, bool first, bool last,
                               bool pf) {
   if constexpr (MB > 1) {
-    if (rows < MB) return panel_rows<MB - 1>(rows, xg, k0, k1, wp, y, N, mask, full, bias, first, last, pf);
+    if (rows < MB) return panel_rows<MB - 1>(rows, xg, k0, k1, wk, y, N, mask, full, bias, first, last, pf);
   }
-  panel_block<MB>(xg, k0, k1, wp, y, N, mask, full, bias, first, last, pf);
+  panel_block<MB>(xg, k0, k1, wk, y, N, mask, full, bias, first, last, pf);
 }
 
-// x [M, K] fp32 or bf16 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N] fp32.
-// bf16 panels take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the
-// bias is added in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
-  check_activation(x, "panel_linear");
-  const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), G = (M + kRows - 1) / kRows;
-  TORCH_CHECK((panels.scalar_type() == at::kFloat || bf16) && panels.is_contiguous() && panels.dim() == 3 &&
-              panels.size(1) == K && panels.size(2) == kPanel && P * kPanel >= N && (P - 1) * kPanel < N,
-              "panel_linear: the panels are not an [N, K] weight's for this x");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "panel_linear: an fp32 bias [N] expected");
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  auto xi = at::empty({G, K, kRows}, y.options());  // x in groups of kRows rows, interleaved (see panel_block)
-  const void* wp = panels.data_ptr();
-  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
-  const float* bp = bf16 ? nullptr : bias_p;  // bf16: added after the rounding, below
-  float *yp = y.data_ptr<float>(), *xq = xi.data_ptr<float>();
+// Block-quantized panels (`pack_block_panels`): a GGUF's Q4_1 or Q8_0 weights as they are stored, kept in that
+// form. Per panel and block of 32 k-rows: the kPanel outputs' scales d and mins m (fp32), then their codes q: Q4_1
+// two k-rows a byte (k-row 2i in the low nibble, 2i + 1 in the high, byte i * kPanel + n for output n), Q8_0 one
+// signed byte each (m = 0). A weight is fma(d, q, m): d * q is exact in fp32 (an fp16 d times a 4- or 8-bit q), so
+// it equals the GGUF's dequantized fp32 weight (gguf-py's d * q + m) to the bit, and the GEMM below adds the same
+// products in the same order as panel_linear on that weight: the same y, bit for bit, from 0.625 (Q4_1) or 1.0625
+// (Q8_0) bytes a weight instead of 4. Up to kFusedRows rows of x (decode batches) each weight is dequantized in
+// registers as it is used (block_fused); more rows share one dequantization of a k-block into an L1 scratch, over
+// which the fp32 panels' kernel runs.
+constexpr int64_t kQBlock = 32;
+static_assert(kKBlock % kQBlock == 0, "a k-block holds whole quantization blocks");
+static inline int64_t qblock_bytes(int64_t bits) { return 2 * kPanel * 4 + kQBlock * kPanel * bits / 8; }
+#if defined(__AVX512F__)
+constexpr int kFusedRows = 4;  // 12 accumulators, 6 scales and mins, 6 weights: 25 of the 32 zmm
+using ivec = __m512i;
+static inline ivec codes_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+static inline ivec codes_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+static inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
+static inline ivec high_nibbles(ivec v) { return _mm512_srli_epi32(v, 4); }
+static inline vec to_float(ivec v) { return _mm512_cvtepi32_ps(v); }
+#else
+constexpr int kFusedRows = 3;  // 6 accumulators, 4 scales and mins, 4 weights: 15 of the 16 ymm
+using ivec = __m256i;
+static inline ivec codes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline ivec codes_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline ivec low_nibbles(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
+static inline ivec high_nibbles(ivec v) { return _mm256_srli_epi32(v, 4); }
+static inline vec to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
+#endif
+
+// One quantization block (kQBlock k-rows of a panel) into dst [kQBlock, kPanel] fp32.
+template <int Bits>
+static inline void dequantize_block(const uint8_t* blk, float* dst) {
+  const float* d = (const float*)blk;
+  const uint8_t* q = blk + 2 * kPanel * 4;
+  for (int j = 0; j < kVecs; ++j) {
+    const vec dj = vload(d + kLanes * j), mj = vload(d + kPanel + kLanes * j);
+    if constexpr (Bits == 4) {
+      for (int64_t i = 0; i < kQBlock / 2; ++i) {
+        const ivec c = codes_u8(q + i * kPanel + kLanes * j);
+        vstore(dst + 2 * i * kPanel + kLanes * j, vfma(dj, to_float(low_nibbles(c)), mj));
+        vstore(dst + (2 * i + 1) * kPanel + kLanes * j, vfma(dj, to_float(high_nibbles(c)), mj));
+      }
+    } else {
+      for (int64_t k = 0; k < kQBlock; ++k)
+        vstore(dst + k * kPanel + kLanes * j, vfma(dj, to_float(codes_i8(q + k * kPanel + kLanes * j)), mj));
+    }
+  }
+}
+
+// codes uint8 [N, K] (Q4_1: 0..15; Q8_0: the int8 codes' bytes), scales and mins fp32 [N, K / 32] -> the panels,
+// uint8 [P, K / 32, qblock_bytes(bits)] (outputs past N: zero scales, mins and codes, never stored).
+at::Tensor pack_block_panels(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_block_panels: bits must be 4 (Q4_1) or 8 (Q8_0)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) % kQBlock == 0,
+              "pack_block_panels: uint8 codes [N, K] with K a multiple of 32 expected");
+  const int64_t N = codes.size(0), K = codes.size(1), B = K / kQBlock, P = (N + kPanel - 1) / kPanel;
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == B,
+                "pack_block_panels: fp32 scales and mins [N, K / 32] expected");
+  auto c = codes.contiguous(), sc = scales.contiguous(), mn = mins.contiguous();
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const float *dp = sc.data_ptr<float>(), *mp = mn.data_ptr<float>();
+  const int64_t bytes = qblock_bytes(bits);
+  auto out = at::zeros({P, B, bytes}, codes.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t b = 0; b < B; ++b) {
+        uint8_t* blk = op + (p * B + b) * bytes;
+        float* d = (float*)blk;
+        uint8_t* q = blk + 2 * kPanel * 4;
+        for (int64_t n = p * kPanel; n < std::min(N, (p + 1) * kPanel); ++n) {
+          const int64_t l = n - p * kPanel;
+          d[l] = dp[n * B + b];
+          d[kPanel + l] = mp[n * B + b];
+          const uint8_t* src = cp + n * K + b * kQBlock;
+          for (int64_t k = 0; k < kQBlock; ++k) {
+            if (bits == 8) q[k * kPanel + l] = src[k];
+            else q[(k / 2) * kPanel + l] |= (uint8_t)((src[k] & 15) << (4 * (k % 2)));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// What panel_gemm hands a weight source: k-rows [k0, k1) of panel p, for x's row groups [g0, g1).
+struct Tile {
+  int64_t p, k0, k1, g0, g1, M, K, N;
+  const float* xq;        // x, interleaved in groups of kRows rows (panel_block)
+  float* y;               // y at the panel's first output
+  const lane_mask* mask;  // the panel's valid outputs, all of them when `full`
+  const float* bias;      // at the panel's first output, or null
+  bool full, first, last;
+  int64_t rows(int64_t g) const { return std::min<int64_t>(kRows, M - g * kRows); }
+};
+
+// The tile's row groups through panel_block, its weight rows at wk (the tile's k-row k0).
+template <typename W>
+static inline void tile_rows(const Tile& t, const W* wk, bool prefetch) {
+  for (int64_t g = t.g0; g < t.g1; ++g)
+    panel_rows<kRows>(t.rows(g), t.xq + g * t.K * kRows, t.k0, t.k1, wk, t.y + g * kRows * t.N, t.N, t.mask, t.full,
+                      t.bias, t.first, t.last, prefetch && g == t.g0);
+}
+
+// panel_block over quantization blocks for one group of MB <= kFusedRows rows, each weight dequantized in registers
+// as it is used: the same values, added in the same order, as dequantize_block then panel_block.
+template <int MB, int Bits>
+static inline void block_fused(const Tile& t, const uint8_t* blk) {
+  vec acc[MB][kVecs];
+  acc_load<MB>(acc, t.y, t.N, t.mask, t.full, t.first);
+  const int64_t bytes = qblock_bytes(Bits);
+  const float* xk = t.xq + t.k0 * kRows;
+  for (int64_t k = t.k0; k < t.k1; k += kQBlock, blk += bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch((const char*)blk + kPrefetch + c, _MM_HINT_T1);
+    const float* d = (const float*)blk;
+    const uint8_t* q = blk + 2 * kPanel * 4;
+    vec dv[kVecs], mv[kVecs];
+    for (int j = 0; j < kVecs; ++j) dv[j] = vload(d + kLanes * j), mv[j] = vload(d + kPanel + kLanes * j);
+    for (int64_t r = 0; r < kQBlock; r += Bits == 4 ? 2 : 1) {
+      vec w0[kVecs], w1[kVecs];
+      for (int j = 0; j < kVecs; ++j) {
+        if constexpr (Bits == 4) {
+          const ivec c = codes_u8(q + (r / 2) * kPanel + kLanes * j);
+          w0[j] = vfma(dv[j], to_float(low_nibbles(c)), mv[j]);
+          w1[j] = vfma(dv[j], to_float(high_nibbles(c)), mv[j]);
+        } else {
+          w0[j] = vfma(dv[j], to_float(codes_i8(q + r * kPanel + kLanes * j)), mv[j]);
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const vec xv = vbroadcast(xk[i]);
+        for (int j = 0; j < kVecs; ++j) acc[i][j] = vfma(xv, w0[j], acc[i][j]);
+      }
+      xk += kRows;
+      if constexpr (Bits == 4) {
+        for (int i = 0; i < MB; ++i) {
+          const vec xv = vbroadcast(xk[i]);
+          for (int j = 0; j < kVecs; ++j) acc[i][j] = vfma(xv, w1[j], acc[i][j]);
+        }
+        xk += kRows;
+      }
+    }
+  }
+  acc_store<MB>(acc, t.y, t.N, t.mask, t.full, t.bias, t.last);
+}
+
+template <int MB, int Bits>
+static inline void block_fused_rows(int64_t rows, const Tile& t, const uint8_t* blk) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return block_fused_rows<MB - 1, Bits>(rows, t, blk);
+  }
+  block_fused<MB, Bits>(t, blk);
+}
+
+// The tile from quantization blocks (blk: the tile's first).
+template <int Bits>
+static inline void block_tile(const Tile& t, const uint8_t* blk, float* scratch) {
+  if (t.M <= kFusedRows) return block_fused_rows<kFusedRows, Bits>(t.M, t, blk);
+  for (int64_t k = t.k0; k < t.k1; k += kQBlock, blk += qblock_bytes(Bits)) {
+    for (int64_t c = 0; c < qblock_bytes(Bits); c += 64) _mm_prefetch((const char*)blk + kPrefetch + c, _MM_HINT_T1);
+    dequantize_block<Bits>(blk, scratch + (k - t.k0) * kPanel);
+  }
+  tile_rows(t, (const float*)scratch, false);
+}
+
+// y [M, N] fp32 = x [M, K] (fp32 or bf16, contiguous; rounded to bf16 when `round_x`) times a weight in P panels,
+// plus `bias` (or none); `tile(t, scratch)` computes one Tile from the weight's source (`scratch`: kKBlock x kPanel
+// floats of the calling thread).
+template <typename TileFn>
+static void panel_gemm(const at::Tensor& x, int64_t N, int64_t P, bool round_x, const float* bias, float* yp,
+                       TileFn tile) {
+  const int64_t M = x.size(0), K = x.size(1), G = (M + kRows - 1) / kRows;
+  auto xi = at::empty({G, K, kRows}, x.options().dtype(at::kFloat));  // x in groups of kRows rows (panel_block)
+  float* xq = xi.data_ptr<float>();
   by_dtype(x, [&](auto xp) {
     at::parallel_for(0, G, kRowGrain / kRows, [&](int64_t lo, int64_t hi) {
       for (int64_t g = lo; g < hi; ++g) {
@@ -629,42 +800,86 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t k = 0; k < K; ++k) {
             const float v = widen(xp[(g * kRows + i) * K + k]);
-            dst[k * kRows + i] = bf16 ? round_bf16(v) : v;
+            dst[k * kRows + i] = round_x ? round_bf16(v) : v;
           }
       }
     });
   });
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (K * kRows * (int64_t)sizeof(float)));  // in groups
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float scratch[kKBlock * kPanel];
     for (int64_t c0 = 0; c0 < G; c0 += chunk) {
       const int64_t c1 = std::min(G, c0 + chunk);
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t n0 = p * kPanel, rem = std::min(kPanel, N - n0);
         lane_mask mask[kVecs];
         for (int j = 0; j < kVecs; ++j) mask[j] = first_lanes(std::max<int64_t>(0, std::min(kLanes, rem - kLanes * j)));
-        const float* b = bp ? bp + n0 : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
           const int64_t k1 = std::min(K, k0 + kKBlock);
-          const bool first = k0 == 0, last = k1 == K;
-          for (int64_t g = c0; g < c1; ++g) {
-            const int64_t rows = std::min<int64_t>(kRows, M - g * kRows);
-            float* yg = yp + g * kRows * N + n0;
-            if (bf16)
-              panel_rows<kRows>(rows, xq + g * K * kRows, k0, k1, (const uint16_t*)wp + p * K * kPanel, yg, N, mask,
-                                rem == kPanel, b, first, last, g == c0);
-            else
-              panel_rows<kRows>(rows, xq + g * K * kRows, k0, k1, (const float*)wp + p * K * kPanel, yg, N, mask,
-                                rem == kPanel, b, first, last, g == c0);
-          }
+          tile(Tile{p, k0, k1, c0, c1, M, K, N, xq, yp + n0, mask, bias ? bias + n0 : nullptr, rem == kPanel,
+                    k0 == 0, k1 == K}, scratch);
         }
       }
     }
   });
-  if (bf16)
-    at::parallel_for(0, M, kRowGrain, [&](int64_t lo, int64_t hi) {
+}
+
+static void check_linear_args(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N, const char* what) {
+  check_activation(x, what);
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) ||
+              (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              what, ": an fp32 bias [N] expected");
+}
+
+// x [M, K] fp32 or bf16 contiguous, panels from pack_panels of an [N, K] weight, bias [N] or none -> [M, N] fp32.
+// bf16 panels take x rounded to bf16 (the products exact in fp32, summed in fp32) and round y to bf16 before the
+// bias is added in fp32: as oneDNN's bf16 GEMM, whose output is bf16 (model/linear.py hands it the larger row counts).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  check_linear_args(x, bias, N, "panel_linear");
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  const int64_t K = x.size(1), P = panels.size(0);
+  TORCH_CHECK((panels.scalar_type() == at::kFloat || bf16) && panels.is_contiguous() && panels.dim() == 3 &&
+              panels.size(1) == K && panels.size(2) == kPanel && P * kPanel >= N && (P - 1) * kPanel < N,
+              "panel_linear: the panels are not an [N, K] weight's for this x");
+  const float* bias_p = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const void* wp = panels.data_ptr();
+  if (bf16) {  // the bias is added after the rounding, below
+    panel_gemm(x, N, P, true, nullptr, yp, [&](const Tile& t, float*) {
+      tile_rows(t, (const uint16_t*)wp + (t.p * K + t.k0) * kPanel, true);
+    });
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
         for (int64_t n = 0; n < N; ++n) yp[i * N + n] = round_bf16(yp[i * N + n]) + (bias_p ? bias_p[n] : 0.f);
     });
+  } else {
+    panel_gemm(x, N, P, false, bias_p, yp, [&](const Tile& t, float*) {
+      tile_rows(t, (const float*)wp + (t.p * K + t.k0) * kPanel, true);
+    });
+  }
+  return y;
+}
+
+// panel_linear over block-quantized panels (pack_block_panels; `bits` 4 or 8): y equals panel_linear's on the
+// dequantized weight, bit for bit.
+at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t bits,
+                              const std::optional<at::Tensor>& bias) {
+  check_linear_args(x, bias, N, "block_panel_linear");
+  const int64_t K = x.size(1), P = panels.size(0), B = K / kQBlock, bytes = qblock_bytes(bits);
+  TORCH_CHECK((bits == 4 || bits == 8) && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+              panels.dim() == 3 && K % kQBlock == 0 && panels.size(1) == B && panels.size(2) == bytes &&
+              P * kPanel >= N && (P - 1) * kPanel < N,
+              "block_panel_linear: the panels are not an [N, K] weight's for this x");
+  const float* bias_p = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  auto y = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = panels.data_ptr<uint8_t>();
+  panel_gemm(x, N, P, false, bias_p, y.data_ptr<float>(), [&](const Tile& t, float* scratch) {
+    const uint8_t* blk = wp + (t.p * B + t.k0 / kQBlock) * bytes;
+    if (bits == 4) block_tile<4>(t, blk, scratch);
+    else block_tile<8>(t, blk, scratch);
+  });
   return y;
 }
 #endif
@@ -681,6 +896,8 @@ TORCH_LIBRARY(lmc_cpu, m) {
 #ifdef LMC_PANELS
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("pack_block_panels(Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
+  m.def("block_panel_linear(Tensor x, Tensor panels, int n, int bits, Tensor? bias) -> Tensor");
 #endif
 }
 TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) {
@@ -693,6 +910,8 @@ TORCH_LIBRARY_IMPL(lmc_cpu, CPU, m) {
 #ifdef LMC_PANELS
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
+  m.impl("pack_block_panels", &pack_block_panels);
+  m.impl("block_panel_linear", &block_panel_linear);
 #endif
 }
 """
@@ -759,6 +978,8 @@ def _build():
         torch.library.register_fake("lmc_cpu::paged_attention")(lambda q, *_: torch.empty_like(q))
         if _has_panels():
             torch.library.register_fake("lmc_cpu::panel_linear")(lambda x, panels, n, bias: x.new_empty(x.shape[0], n))
+            torch.library.register_fake("lmc_cpu::block_panel_linear")(
+                lambda x, panels, n, bits, bias: x.new_empty(x.shape[0], n))
         return op
     except Exception as e:  # no compiler, no ninja, a failed build: the torch reference ops run instead
         warnings.warn(f"the CPU kernels could not be built ({type(e).__name__}: {e}); "

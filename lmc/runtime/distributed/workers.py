@@ -344,4 +344,5 @@ def _serve_steps(runner, comm: group.Comm) -> None:
         values = header.tolist()
         if values[0] == _STOP:
             return
-        runner._forward(*_recv_step(comm, values))
+        step = _recv_step(comm, values)
+        runner.run_on_device(runner._forward, *step)  # on the thread that built the shard (runner.py)

@@ -94,6 +94,7 @@ class Linear(nn.Module):
         self.panels = False  # whether `packed` is in panels (else oneDNN's layout, and `weight` is None)
         self.matmul_dtype = torch.float32  # the packed weight's dtype (prepack's argument)
         self.large: torch.Tensor | None = None  # bf16 panels: oneDNN's bf16 weight, for rows from BF16_LARGE_ROWS on
+        self.block_bits = 0  # 4 or 8: `packed` holds a GGUF's Q4_1 or Q8_0 blocks in panels (use_blocks)
 
     @torch.no_grad()
     def prepack(self, matmul_dtype: torch.dtype = torch.float32) -> bool:
@@ -122,12 +123,22 @@ class Linear(nn.Module):
         if self.matmul_dtype == torch.bfloat16:
             self.large = _onednn_pack(weight, torch.bfloat16)
 
+    def use_blocks(self, blocks) -> None:
+        """Run on a GGUF's quantization blocks (gguf_blocks.Blocks, which dequantize to this fp32-panel layer's
+        weight: attach_gguf_blocks checks) in place of the fp32 panels: the same outputs, from 0.625 or 1.0625
+        bytes a weight instead of 4. The dense weight stays for large inputs, as with fp32 panels."""
+        assert self.panels and self.matmul_dtype == torch.float32, "blocks replace fp32 panels only"
+        self.packed = _panel_ops().pack_block_panels(blocks.codes, blocks.scales, blocks.mins, blocks.bits)
+        self.block_bits = blocks.bits
+
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
-        """New values for the weight [out_features, in_features], packed again if the layer was prepacked."""
+        """New values for the weight [out_features, in_features], packed again if the layer was prepacked (in
+        panels of its dtype: GGUF blocks, which would no longer hold it, are dropped)."""
         if self.weight is not None:
             self.weight.copy_(weight)
         if self.packed is not None:
+            self.block_bits = 0
             self._pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +153,8 @@ class Linear(nn.Module):
                 # y is the same whichever path a row count takes, up to the summation order
                 return (F.linear(x, self.weight, self.bias) if self.large is None
                         else _onednn_linear(x, self.large, self.bias))
-            y = torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias)
+            y = (torch.ops.lmc_cpu.block_panel_linear(rows, self.packed, self.out_features, self.block_bits, self.bias)
+                 if self.block_bits else torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias))
             return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
@@ -166,7 +178,8 @@ class Linear(nn.Module):
         return kernels.rope_q_write_kv(self(x), *args)
 
     def extra_repr(self) -> str:
-        packed = "panels" if self.panels else self.packed is not None and str(self.matmul_dtype).split(".")[-1]
+        packed = (f"q{self.block_bits} blocks" if self.block_bits else "panels" if self.panels
+                  else self.packed is not None and str(self.matmul_dtype).split(".")[-1])
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"prepacked={packed}")
 

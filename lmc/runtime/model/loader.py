@@ -76,6 +76,7 @@ class ModelSource:
     # The same tensors as lazy safetensors slices (`obj[a:b]` reads rows a..b only): a tensor-parallel rank reads
     # just its pieces. None where `weights` is.
     weight_slices: Callable[[], Iterable[tuple[str, object]]] | None = None
+    gguf: Path | None = None  # the GGUF the weights were dequantized from (its blocks: gguf_blocks.py)
 
 
 def resolve(model: str) -> ModelSource:
@@ -146,7 +147,16 @@ def _from_dir(name: str, path: Path) -> ModelSource:
 
     has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return ModelSource(name, AutoConfig.from_pretrained(path), lambda: tensors(False),
-                       str(path) if has_tok else None, weight_slices=lambda: tensors(True))
+                       str(path) if has_tok else None, weight_slices=lambda: tensors(True), gguf=_gguf_source(path))
+
+
+def _gguf_source(path: Path) -> Path | None:
+    """The GGUF a converted directory came from, where it is still there."""
+    try:
+        gguf = Path(json.loads((path / "lmc_source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return gguf if gguf.is_file() else None
 
 
 def _file_key(path: Path) -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..core import Req
@@ -66,8 +67,9 @@ def own_from(r: Req) -> int:
 class CacheManager:
     def __init__(self, num_rows: int, context_length: int, num_slots: int, *, disabled: bool = False,
                  stats: dict | None = None):
-        self.table = torch.zeros((num_rows, context_length), dtype=torch.int32)
-        self._table_np = self.table.numpy()  # the same memory: a decode step's few writes without torch's overhead
+        # numpy's zeros (untouched pages), not torch's: the host's threads run no OpenMP region (runner.py)
+        self._table_np = np.zeros((num_rows, context_length), dtype=np.int32)
+        self.table = torch.from_numpy(self._table_np)  # the same memory: a decode step's few writes go to numpy
         # Bumped by every admission and every write below a request's new tokens (_written): what shared_prefix's
         # answer depends on
         self._layout = 0

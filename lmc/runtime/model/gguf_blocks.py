@@ -1,0 +1,132 @@
+"""A GGUF's block-quantized linear weights (Q4_1, Q8_0) kept as they are stored, for the CPU's block panels.
+
+A GGUF model is dequantized once into an fp32 checkpoint (loader.py), which the model loads; a CPU decode step then
+streams 4 bytes a weight, where the file holds 0.625 (Q4_1) or 1.0625 (Q8_0). `attach_gguf_blocks(model, path)`
+reads the file's blocks of each linear (fused as the model fuses them: q, k, v; gate, up) and hands them to
+`Linear.use_blocks`, whose kernel dequantizes a few KB at a time into L1 (attention/cpu_kernel.py,
+`block_panel_linear`). A block's weight is d * q + m, computed exactly as gguf-py computes the checkpoint's, so a
+layer takes its blocks only where they dequantize to its loaded weight bit for bit (checked here, layer by layer):
+outputs are the same with blocks or without; only the bytes a step reads change.
+
+The embedded SmolLM2-135M-Instruct: 106M Q4_1 weights in the layers, its tied lm-head the Q8_0 embedding table;
+540 MB of fp32 panels become 96 MB of blocks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .linear import Linear
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per quantization block, along the input dimension
+_Q4_1, _Q8_0 = 3, 8  # ggml's type ids (gguf.GGMLQuantizationType)
+_BLOCK_BYTES = {_Q4_1: 20, _Q8_0: 34}  # fp16 d (and fp16 m: Q4_1), then the codes
+_BITS = {_Q4_1: 4, _Q8_0: 8}
+# transformers' names (one fused Linear takes several, in this order) -> the GGUF's, with `{i}` the layer
+_LAYER_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+@dataclass
+class Blocks:
+    """One weight [N, K] in blocks of 32 along K: `codes` uint8 [N, K] (Q4_1: 0..15; Q8_0: int8 as bytes),
+    `scales` and `mins` fp32 [N, K / 32] (mins 0 for Q8_0); the weight is scales * codes + mins, blockwise."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight, as gguf-py computes it (d * q is exact in fp32; + m rounds once)."""
+        q = self.codes.view(torch.int8) if self.bits == 8 else self.codes
+        n, k = self.codes.shape
+        w = q.float().view(n, k // BLOCK, BLOCK) * self.scales[..., None] + self.mins[..., None]
+        return w.view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Blocks"]) -> "Blocks":
+        return Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                      torch.cat([p.mins for p in parts]), parts[0].bits)
+
+
+def read_blocks(raw: np.ndarray, kind: int) -> Blocks:
+    """A GGUF tensor's bytes [N, K / 32 * block bytes] (Q4_1 or Q8_0) as Blocks."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == _Q4_1:
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    else:
+        mins = np.zeros_like(scales)
+        codes = blocks[..., 2:]
+    return Blocks(torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)), torch.from_numpy(scales),
+                  torch.from_numpy(mins), _BITS[kind])
+
+
+def rope_row_order(n: int, heads: int) -> np.ndarray:
+    """The rows of transformers' q or k projection in the GGUF's order: llama.cpp interleaves each head's two
+    rotary halves, and transformers' GGUF loader undoes it (LlamaTensorProcessor._reverse_permute_weights)."""
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
+
+
+def gguf_linear_blocks(path: str | Path, model: nn.Module) -> dict[str, Blocks]:
+    """The block-quantized weight of each Linear of a llama-family `model` (by module name) that the GGUF at `path`
+    stores in Q4_1 or Q8_0 blocks, all of its parts alike, in the model's row order."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = model.cfg
+
+    def part(name: str, heads: int | None = None) -> Blocks | None:
+        t = tensors.get(name)
+        if t is None or int(t.tensor_type) not in _BITS:
+            return None
+        raw = np.asarray(t.data)
+        if heads is not None:
+            raw = raw[rope_row_order(raw.shape[0], heads)]
+        return read_blocks(raw, int(t.tensor_type))
+
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    out: dict[str, Blocks] = {}
+    for i in range(cfg.num_layers):
+        for module, names in _LAYER_PARTS.items():
+            parts = [part(f"blk.{i}.{g}.weight", heads.get(g)) for g in names]
+            if all(p is not None for p in parts) and len({p.bits for p in parts}) == 1:
+                out[f"layers.{i}.{module}"] = Blocks.cat(parts)
+    head = part("output.weight") or (part("token_embd.weight") if cfg.tie_word_embeddings else None)
+    if head is not None:
+        out["lm_head"] = head
+    return out
+
+
+@torch.no_grad()
+def attach_gguf_blocks(model: nn.Module, path: str | Path) -> int:
+    """Give each fp32-panel Linear of `model` its GGUF blocks where they dequantize to its weight exactly; returns
+    how many took them. A layer whose blocks differ (another file, a row order this module does not know) keeps its
+    fp32 panels, with a warning."""
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.panels and m.matmul_dtype == torch.float32 and m.weight is not None}
+    if not linears:
+        return 0
+    attached = 0
+    for name, blocks in gguf_linear_blocks(path, model).items():
+        layer = linears.get(name)
+        if layer is None:
+            continue
+        if blocks.codes.shape != layer.weight.shape or not torch.equal(blocks.dequantize(), layer.weight):
+            log.warning("%s: the GGUF's blocks are not its loaded weight; it keeps fp32 panels", name)
+            continue
+        layer.use_blocks(blocks)
+        attached += 1
+    return attached
