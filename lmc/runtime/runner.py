@@ -27,6 +27,7 @@ first copies rank 0's (only rank 0 samples) to every rank, in stream order like 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -202,6 +203,7 @@ class _Inline:
 
 _cpu_lock = threading.Lock()
 _cpu_thread: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_cpu_thread.clear)  # a forked child has no thread: it starts its own
 
 
 def _cpu_device() -> ThreadPoolExecutor:
