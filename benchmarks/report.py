@@ -699,15 +699,21 @@ def _line_programs_load(r: dict) -> str | None:
             f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
 
 
-def _line_cpu_speed_bf16(r: dict) -> str | None:
+# cpu_speed.py's configuration compared with `kernel` (fp32 panels) in a README line, and how the line names them
+CPU_SPEED_LINES = {"bf16": "`dtype=\"bfloat16\"` (the linears in bf16 on AMX, the rest fp32) against fp32",
+                   "blocks": "the embedded model's linears on its GGUF's Q4_1 / Q8_0 blocks (the default: the same "
+                             "outputs bit for bit) against fp32 panels of the dequantized weights"}
+
+
+def _line_cpu_speed(r: dict) -> str | None:
     res = r["results"]
-    if "bf16" not in res or "kernel" not in res:
+    new = next((c for c in CPU_SPEED_LINES if c in res), None)
+    if new is None or "kernel" not in res:
         return None
-    figs = "; ".join(f"{label} {fig(res['bf16'][k], 1)} against {fig(res['kernel'][k], 1)}" for k, label in (
+    figs = "; ".join(f"{label} {fig(res[new][k], 1)} against {fig(res['kernel'][k], 1)}" for k, label in (
         ("decode_b1_tok_s", "decode at batch 1"), ("decode_b16_tok_s", "at batch 16"),
-        ("no_sharing_out_tok_s", "unrelated prompts")) if k in res["bf16"] and k in res["kernel"])
-    return (f"- CPU, `dtype=\"bfloat16\"` (the linears in bf16 on AMX, the rest fp32) against the fp32 default, "
-            f"tokens/s, runs alternating: {figs}.")
+        ("no_sharing_out_tok_s", "unrelated prompts")) if k in res[new] and k in res["kernel"])
+    return f"- CPU, {CPU_SPEED_LINES[new]}, tokens/s, runs alternating: {figs}."
 
 
 def _line_gpu_pytest(r: dict) -> str:
@@ -719,7 +725,8 @@ def _line_gpu_pytest(r: dict) -> str:
 
 README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm,
                      "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
-                     "cpu_speed_bf16.json": _line_cpu_speed_bf16, "serving_bench.json": _line_serving,
+                     "cpu_speed_bf16.json": _line_cpu_speed, "cpu_speed_blocks.json": _line_cpu_speed,
+                     "serving_bench.json": _line_serving,
                      "gpu_bench.json": _line_gpu_bench, "gpu_bench_h100.json": _line_gpu_bench,
                      "gpu_bench_h100_b256.json": _line_gpu_bench, "gpu_bench_decode.json": _line_gpu_bench,
                      "programs_latency.json": _line_programs_latency,
