@@ -36,7 +36,7 @@ def test_prepacked_matches_dense_at_every_batch_size(bias, layout):
     w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
     assert lin.prepack() and lin.packed is not None
     assert lin.panels == (layout == "panels")
-    assert (lin.weight is None) == (layout == "onednn")  # the panels keep the dense copy for large inputs
+    assert lin.weight is None  # oneDNN's packed weight serves the large inputs the panels hand on
     g = torch.Generator().manual_seed(1)
     for m in (1, 3, 8, 16, 17, 100):  # groups of 8 rows (panels), a layout packed for 16 (oneDNN): all must work
         x = torch.randn(m, 96, generator=g)
@@ -47,7 +47,7 @@ def test_prepacked_matches_dense_at_every_batch_size(bias, layout):
 
 def test_panels_at_prefill_sizes_match_dense(monkeypatch):
     """The panel GEMM's blocking (chunks of rows, blocks of 64 k-rows, a partial last panel) at a prefill's row
-    count, with the large-input switch to MKL moved out of the way; then that switch itself."""
+    count, with the large-input switch to oneDNN moved out of the way; then that switch itself."""
     if linear._panel_ops() is None:
         pytest.skip("no panel GEMM here (neither AVX-512 nor AVX2, or no C++ toolchain)")
     lin = make(200, 170, True)  # K = 200: k-blocks of 64 (AVX-512) or 128 (AVX2), the last partial
@@ -56,9 +56,12 @@ def test_panels_at_prefill_sizes_match_dense(monkeypatch):
     x = torch.randn(1500, 200, generator=torch.Generator().manual_seed(3))  # > one chunk of rows (40 groups of 8)
     monkeypatch.setattr(linear, "LARGE_ROWS", 10**9)
     torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(lin(x[:13]), F.linear(x[:13], w, b), rtol=1e-5, atol=1e-4)
+    small = lin(x[:13])
+    torch.testing.assert_close(small, F.linear(x[:13], w, b), rtol=1e-5, atol=1e-4)
     monkeypatch.setattr(linear, "LARGE_ROWS", 8)
-    assert torch.equal(lin(x[:13]), F.linear(x[:13], w, b))  # at and past LARGE_ROWS: MKL on the dense weight
+    onednn = torch.ops.mkldnn._linear_pointwise(x[:13], lin.large, lin.bias, "none", [], "")
+    assert torch.equal(lin(x[:13]), onednn)  # at and past LARGE_ROWS: oneDNN on its packed weight
+    assert not torch.equal(lin(x[:13]), small)  # (another summation order: the switch did happen)
 
 
 def test_set_weight_repacks(layout):

@@ -18,8 +18,9 @@ memory: every OpenMP region of the engines in a process starts on that one threa
 run their own torch ops serially (`host_thread`). (Where two threads each run parallel regions, libgomp counts more
 threads than cores and cuts its spin-wait short: each of a decode step's ~120 small parallel regions then wakes
 its second thread through the kernel, and the embedded model's linears took 8.0 ms a step instead of 3.6.) Either
-way, errors raised by device work surface at collect(). The device slot table and token buffer are only ever touched by device work,
-in stream order: the scheduler keeps its own host copy of the table and never reads this one.
+way, errors raised by device work surface at collect(). The device slot table and token buffer are only ever
+touched by device work, in stream order: the scheduler keeps its own host copy of the table and never reads this
+one.
 Under tensor parallelism every rank runs the same `_forward` on its shard: rank 0 broadcasts the packed step to the
 workers (distributed/workers.py), each writes its own slot table from it, and a step that reads the token buffer
 first copies rank 0's (only rank 0 samples) to every rank, in stream order like the rest of the forward.
@@ -40,8 +41,8 @@ from .attention import ForwardBatch, make_backend
 from .core import Req
 from .grammar import apply_grammar_masks
 from .memory import DUMMY_ROW, KVCache
-from .model.gguf_blocks import attach_gguf_blocks
-from .model.linear import prepack_linears
+from .model.gguf_blocks import checked_gguf_blocks
+from .model.linear import Linear, prepack_linears
 from .model.llama import LlamaForCausalLM, ModelConfig, rope_cos_sin
 from .sampling import sample, token_logprobs
 
@@ -246,9 +247,10 @@ class ModelRunner:
         """The model, the KV memory and the attention backend (on the device's thread: the CPU's is _cpu_device)."""
         device, context_length, tp = self.device, self.context_length, self.tp
         model = self._build_model(weights, seed)
-        prepack_linears(model, matmul_dtype or dtype)  # CPU: weights into panels or oneDNN's layout (linear.py)
-        # how many linears run on GGUF blocks
-        self.gguf_block_linears = attach_gguf_blocks(model, gguf_blocks) if gguf_blocks is not None else 0
+        blocks = checked_gguf_blocks(model, gguf_blocks) if gguf_blocks is not None else None
+        # CPU: weights into panels (or the GGUF's blocks) or oneDNN's layout (linear.py)
+        prepack_linears(model, matmul_dtype or dtype, blocks)
+        self.gguf_block_linears = sum(isinstance(m, Linear) and m.block_bits > 0 for m in model.modules())
         self.model = model.eval()
         self.model.rope = rope_cos_sin(hf_config, context_length, device, dtype)
         self.attn = make_backend(attention, device)

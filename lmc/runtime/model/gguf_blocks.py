@@ -1,9 +1,9 @@
 """A GGUF's block-quantized linear weights (Q4_1, Q8_0) kept as they are stored, for the CPU's block panels.
 
 A GGUF model is dequantized once into an fp32 checkpoint (loader.py), which the model loads; a CPU decode step then
-streams 4 bytes a weight, where the file holds 0.625 (Q4_1) or 1.0625 (Q8_0). `attach_gguf_blocks(model, path)`
-reads the file's blocks of each linear (fused as the model fuses them: q, k, v; gate, up) and hands them to
-`Linear.use_blocks`, whose kernel dequantizes a few KB at a time into L1 (attention/cpu_kernel.py,
+streams 4 bytes a weight, where the file holds 0.625 (Q4_1) or 1.0625 (Q8_0). `checked_gguf_blocks(model, path)`
+reads the file's blocks of each linear (fused as the model fuses them: q, k, v; gate, up) for `Linear.prepack`,
+whose kernel dequantizes them in registers or a few KB at a time into L1 (attention/cpu_kernel.py,
 `block_panel_linear`). A block's weight is d * q + m, computed exactly as gguf-py computes the checkpoint's, so a
 layer takes its blocks only where they dequantize to its loaded weight bit for bit (checked here, layer by layer):
 outputs are the same with blocks or without; only the bytes a step reads change.
@@ -111,15 +111,13 @@ def gguf_linear_blocks(path: str | Path, model: nn.Module) -> dict[str, Blocks]:
 
 
 @torch.no_grad()
-def attach_gguf_blocks(model: nn.Module, path: str | Path) -> int:
-    """Give each fp32-panel Linear of `model` its GGUF blocks where they dequantize to its weight exactly; returns
-    how many took them. A layer whose blocks differ (another file, a row order this module does not know) keeps its
-    fp32 panels, with a warning."""
+def checked_gguf_blocks(model: nn.Module, path: str | Path) -> dict[str, Blocks]:
+    """The GGUF blocks of each Linear of `model` (not yet prepacked: its dense fp32 weight loaded) that dequantize
+    to its weight exactly, by module name, for prepack_linears. A layer whose blocks differ (another file, a row
+    order this module does not know) is left out, with a warning, and keeps fp32 panels."""
     linears = {name: m for name, m in model.named_modules()
-               if isinstance(m, Linear) and m.panels and m.matmul_dtype == torch.float32 and m.weight is not None}
-    if not linears:
-        return 0
-    attached = 0
+               if isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.float32}
+    out = {}
     for name, blocks in gguf_linear_blocks(path, model).items():
         layer = linears.get(name)
         if layer is None:
@@ -127,6 +125,5 @@ def attach_gguf_blocks(model: nn.Module, path: str | Path) -> int:
         if blocks.codes.shape != layer.weight.shape or not torch.equal(blocks.dequantize(), layer.weight):
             log.warning("%s: the GGUF's blocks are not its loaded weight; it keeps fp32 panels", name)
             continue
-        layer.use_blocks(blocks)
-        attached += 1
-    return attached
+        out[name] = blocks
+    return out

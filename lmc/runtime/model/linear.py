@@ -7,8 +7,9 @@ fp32 CPU weight once, into one of two layouts:
   with P = 48 (AVX-512) or 16 (AVX2),
   run by that library's GEMM, which streams the weight from memory once per call. At decode batch sizes oneDNN's
   and MKL's kernels take two to five times its time on this machine (2 cores, AVX-512: benchmarks/cpu_speed.py
-  --gemm). From LARGE_ROWS rows of x on (prefill chunks) MKL's GEMM on the dense weight is faster, so the dense
-  copy is kept beside the panels (+425 MB for SmolLM2; the tied lm-head's is the embedding's table anyway).
+  --gemm). From LARGE_ROWS rows of x on (prefill chunks) oneDNN's GEMM is faster, so its packed weight is kept
+  beside the panels, and the dense copy is dropped. The panels may instead hold a GGUF's Q4_1 / Q8_0 blocks
+  (`prepack(blocks=...)`, gguf_blocks.py), with the same results.
 - oneDNN's blocked layout elsewhere (`torch.ops.mkldnn._reorder_linear_weight`, the layout that inductor's
   freezing pass and vLLM's CPU backend use), run by `torch.ops.mkldnn._linear_pointwise`; it serves any batch size
   (the batch hint only tunes the layout). MKL's own packed GEMM (`torch.ops.mkl._mkl_linear`) is not used: it
@@ -37,11 +38,12 @@ from torch import nn
 
 from .. import kernels
 
-# Rows of x from which the panels' layer runs MKL on the dense weight instead. Measured in one engine, alternating
-# (2 cores, loaded machine): the prefill of 24 x 200-token prompts (chunks of 4096 and 704 tokens) took 11.4 s
-# (11.3-11.9) on the panels alone, 10.4 s with MKL from 1024 rows, 9.8 s (9.1-10.2) from 2048; at 30 layers' distinct
-# weights the panels are ahead up to ~1500 rows and 2-5x ahead at decode sizes (benchmarks/cpu_speed.py --gemm).
-LARGE_ROWS = 2048
+# Rows of x from which the panels' layer runs oneDNN's fp32 GEMM on its packed weight instead. A step's linears at
+# 30 layers' distinct weights (benchmarks/cpu_speed.py --gemm), panels / oneDNN / MKL on the dense weight, ms: 2-core
+# AMD EPYC (AVX-512) 38 / 36 / 82 at 64 rows, 136 / 113 / 290 at 256, 553 / 449 / 1030 at 1024, 1046 / 879 / 1984 at
+# 2048 (MKL's sgemm takes a generic path on a non-Intel CPU); 2-core Xeon 252 / 203 / 231 at 256, 1110 / 1042 / 926 at
+# 1024. Below 64 rows the panels win by two to five times.
+LARGE_ROWS = 256
 # Rows of x from which bf16 panels hand the product to oneDNN's bf16 GEMM (AMX): below it the panels stream the bf16
 # weight at memory speed, from it AMX's tiles win (benchmarks/cpu_speed.py --gemm, its bf16_panels and bf16_onednn
 # columns: 15.2 against 22.1 ms of a step's linears at 8 rows, 26.4 against 22.6 at 16, 50.3 against 32.0 at 32).
@@ -93,43 +95,41 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the packed weight once prepack() ran
         self.panels = False  # whether `packed` is in panels (else oneDNN's layout, and `weight` is None)
         self.matmul_dtype = torch.float32  # the packed weight's dtype (prepack's argument)
-        self.large: torch.Tensor | None = None  # bf16 panels: oneDNN's bf16 weight, for rows from BF16_LARGE_ROWS on
-        self.block_bits = 0  # 4 or 8: `packed` holds a GGUF's Q4_1 or Q8_0 blocks in panels (use_blocks)
+        self.large: torch.Tensor | None = None  # panels: oneDNN's packed weight, for rows from (BF16_)LARGE_ROWS on
+        self.block_bits = 0  # 4 or 8: `packed` holds a GGUF's Q4_1 or Q8_0 blocks in panels (prepack's blocks)
 
     @torch.no_grad()
-    def prepack(self, matmul_dtype: torch.dtype = torch.float32) -> bool:
-        """Pack the weight (panels or oneDNN's layout, in `matmul_dtype`: see the module docstring); oneDNN's drops
-        the dense copy, the panels keep it for large inputs. Returns whether it did (an fp32 CPU weight only;
-        elsewhere the layer stays on F.linear)."""
+    def prepack(self, matmul_dtype: torch.dtype = torch.float32, blocks=None) -> bool:
+        """Pack the weight (panels or oneDNN's layout, in `matmul_dtype`: see the module docstring) and drop the
+        dense copy where oneDNN's packed weight serves large inputs. `blocks` (gguf_blocks.Blocks, fp32 panels only):
+        the weight's GGUF blocks, which dequantize to it exactly (gguf_blocks.checked_gguf_blocks checks), packed
+        in place of the fp32 panels: the same outputs, from 0.625 or 1.0625 bytes a weight instead of 4. Returns
+        whether it packed (an fp32 CPU weight only; elsewhere the layer stays on F.linear)."""
         if self.packed is not None:
             return True
         if not prepack_supported(self.weight, matmul_dtype):
             return False
         self.matmul_dtype = matmul_dtype
-        self._pack(self.weight)
+        self._pack(self.weight, blocks)
         if not self.panels or self.large is not None:
             self.weight = None  # a tied weight stays alive through its other owner (the embedding)
         return True
 
-    def _pack(self, weight: torch.Tensor) -> None:
-        """`packed` (and `large`) from `weight` in `matmul_dtype`: panels where the library has them, else oneDNN's
-        layout."""
+    def _pack(self, weight: torch.Tensor, blocks=None) -> None:
+        """`packed` (and `large`) from `weight` (or its `blocks`) in `matmul_dtype`: panels where the library has
+        them, else oneDNN's layout."""
         ops = _panel_ops()
         self.panels = ops is not None
+        self.block_bits = 0
         if ops is None:
             self.packed = _onednn_pack(weight, self.matmul_dtype)
             return
-        self.packed = ops.pack_panels(weight.detach().to(self.matmul_dtype).contiguous())
-        if self.matmul_dtype == torch.bfloat16:
-            self.large = _onednn_pack(weight, torch.bfloat16)
-
-    def use_blocks(self, blocks) -> None:
-        """Run on a GGUF's quantization blocks (gguf_blocks.Blocks, which dequantize to this fp32-panel layer's
-        weight: attach_gguf_blocks checks) in place of the fp32 panels: the same outputs, from 0.625 or 1.0625
-        bytes a weight instead of 4. The dense weight stays for large inputs, as with fp32 panels."""
-        assert self.panels and self.matmul_dtype == torch.float32, "blocks replace fp32 panels only"
-        self.packed = _panel_ops().pack_block_panels(blocks.codes, blocks.scales, blocks.mins, blocks.bits)
-        self.block_bits = blocks.bits
+        if blocks is not None and self.matmul_dtype == torch.float32:
+            self.packed = ops.pack_block_panels(blocks.codes, blocks.scales, blocks.mins, blocks.bits)
+            self.block_bits = blocks.bits
+        else:
+            self.packed = ops.pack_panels(weight.detach().to(self.matmul_dtype).contiguous())
+        self.large = _onednn_pack(weight, self.matmul_dtype) if torch.backends.mkldnn.is_available() else None
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
@@ -138,7 +138,6 @@ class Linear(nn.Module):
         if self.weight is not None:
             self.weight.copy_(weight)
         if self.packed is not None:
-            self.block_bits = 0
             self._pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,15 +145,16 @@ class Linear(nn.Module):
             return kernels.linear(x, self.weight, self.bias)  # F.linear, or a faster decode GEMM on the GPU
         if self.panels:  # an op with a fake implementation (cpu_kernel.py): torch.compile keeps it opaque
             rows = x.reshape(-1, self.in_features).contiguous()
-            # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving)
-            if not torch.compiler.is_compiling() and rows.shape[0] >= (LARGE_ROWS if self.large is None
-                                                                       else BF16_LARGE_ROWS):
-                # fp32: MKL on the dense weight; bf16: oneDNN, whose bf16 output the bf16 panels round to, so
-                # y is the same whichever path a row count takes, up to the summation order
-                return (F.linear(x, self.weight, self.bias) if self.large is None
-                        else _onednn_linear(x, self.large, self.bias))
-            y = (torch.ops.lmc_cpu.block_panel_linear(rows, self.packed, self.out_features, self.block_bits, self.bias)
-                 if self.block_bits else torch.ops.lmc_cpu.panel_linear(rows, self.packed, self.out_features, self.bias))
+            # (not while compiling: a branch on the batch size would be a guard, and a recompile mid-serving; and
+            # is_compiling first: dynamo cannot fake oneDNN's opaque tensor, so a compiled forward never touches it)
+            if not torch.compiler.is_compiling() and self.large is not None and rows.shape[0] >= (
+                    LARGE_ROWS if self.matmul_dtype == torch.float32 else BF16_LARGE_ROWS):
+                # oneDNN (bf16: its bf16 output is what the bf16 panels round to), so y is the same whichever path
+                # a row count takes, up to the summation order
+                return _onednn_linear(x, self.large, self.bias)
+            ops, n = torch.ops.lmc_cpu, self.out_features
+            y = (ops.block_panel_linear(rows, self.packed, n, self.block_bits, self.bias) if self.block_bits
+                 else ops.panel_linear(rows, self.packed, n, self.bias))
             return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's op on an opaque tensor: hide it
             return _compile_op(x, self.packed, self.bias)
@@ -184,9 +184,11 @@ class Linear(nn.Module):
                 f"prepacked={packed}")
 
 
-def prepack_linears(model: nn.Module, matmul_dtype: torch.dtype = torch.float32) -> int:
-    """Prepack every Linear of `model` that can be, in `matmul_dtype` (see Linear.prepack); returns how many were."""
-    return sum(m.prepack(matmul_dtype) for m in model.modules() if isinstance(m, Linear))
+def prepack_linears(model: nn.Module, matmul_dtype: torch.dtype = torch.float32, blocks: dict | None = None) -> int:
+    """Prepack every Linear of `model` that can be, in `matmul_dtype`, each from its GGUF blocks in `blocks` (by
+    module name) where given (see Linear.prepack); returns how many were."""
+    blocks = blocks or {}
+    return sum(m.prepack(matmul_dtype, blocks.get(name)) for name, m in model.named_modules() if isinstance(m, Linear))
 
 
 _compile_op = None  # lmc::packed_linear, defined by register_compile_op()
