@@ -153,3 +153,22 @@ def test_the_scheduler_thread_runs_torch_serially_and_the_device_thread_keeps_it
     finally:
         eng.shutdown()
         torch.set_num_threads(before)
+
+
+def test_the_blocks_are_cached_and_read_back_the_same(tmp_path, monkeypatch):
+    """The first read parses the GGUF and writes the blocks under the lmc cache dir; the next reads them back."""
+    from lmc.runtime.model.gguf_blocks import gguf_linear_blocks
+    from lmc.runtime.model.llama import LlamaForCausalLM, ModelConfig
+    from lmc.runtime.model.loader import resolve
+
+    src = resolve(MODEL)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(dataclasses.replace(ModelConfig.from_hf(src.hf_config), num_layers=2))
+    monkeypatch.setenv("LMC_CACHE_DIR", str(tmp_path))
+    first = gguf_linear_blocks(src.gguf, model)
+    assert len(list((tmp_path / "gguf_blocks").glob("*.safetensors"))) == 1
+    again = gguf_linear_blocks(src.gguf, model)
+    assert sorted(first) == sorted(again) and len(first) == 4 * 2 + 1
+    for name, b in first.items():
+        c = again[name]
+        assert b.bits == c.bits and all(torch.equal(getattr(b, f), getattr(c, f)) for f in ("codes", "scales", "mins"))

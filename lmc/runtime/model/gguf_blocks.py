@@ -14,6 +14,7 @@ The embedded SmolLM2-135M-Instruct: 106M Q4_1 weights in the layers, its tied lm
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,29 @@ def rope_row_order(n: int, heads: int) -> np.ndarray:
 
 def gguf_linear_blocks(path: str | Path, model: nn.Module) -> dict[str, Blocks]:
     """The block-quantized weight of each Linear of a llama-family `model` (by module name) that the GGUF at `path`
-    stores in Q4_1 or Q8_0 blocks, all of its parts alike, in the model's row order."""
+    stores in Q4_1 or Q8_0 blocks, all of its parts alike, in the model's row order. Cached under the lmc cache dir
+    (gguf-py's reader parses the file's whole vocabulary first: 2.4 s of the embedded model's start)."""
+    from safetensors.torch import load_file, save_file
+
+    from .loader import cache_dir, file_key
+
+    cfg = model.cfg
+    cache = (cache_dir() / "gguf_blocks" /
+             f"{file_key(Path(path))}-{cfg.num_layers}-{cfg.num_heads}-{cfg.num_kv_heads}.safetensors")
+    if cache.exists():
+        flat = load_file(str(cache))
+        return {name: Blocks(flat[f"{name}.codes"], flat[f"{name}.scales"], flat[f"{name}.mins"],
+                             int(flat[f"{name}.bits"])) for name in {k.rsplit(".", 1)[0] for k in flat}}
+    out = _read_linear_blocks(path, model)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    save_file({f"{name}.{field}": (torch.tensor(b.bits) if field == "bits" else getattr(b, field))
+               for name, b in out.items() for field in ("codes", "scales", "mins", "bits")}, str(tmp))
+    os.replace(tmp, cache)  # atomic: a concurrent start reads a whole file or none
+    return out
+
+
+def _read_linear_blocks(path: str | Path, model: nn.Module) -> dict[str, Blocks]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))

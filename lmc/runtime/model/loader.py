@@ -102,7 +102,7 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         embedded = {_embedded_gguf(n): n for n in EMBEDDED if _embedded_gguf(n) is not None}
-        key = embedded.get(path.resolve()) or f"gguf-{_file_key(path)}"  # the embedded file: one conversion
+        key = embedded.get(path.resolve()) or f"gguf-{file_key(path)}"  # the embedded file: one conversion
         return _from_dir(model, _converted_gguf(path, key))
     if path.is_dir() and (path / "config.json").exists():
         return _from_dir(model, path)
@@ -159,7 +159,8 @@ def _gguf_source(path: Path) -> Path | None:
     return gguf if gguf.is_file() else None
 
 
-def _file_key(path: Path) -> str:
+def file_key(path: Path) -> str:
+    """A file's cache key: its path, size and modification time."""
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
