@@ -27,7 +27,8 @@ Output equality: the share of requests whose generated token ids equal lmc's.
                                      [--dtype float32|bfloat16] [--out PATH]
 
 `--one-start`: each system's worker starts once and serves every repetition (the workers stay alive side by side,
-idle while another system runs); the repetitions still alternate, and every generate call starts from a reset
+idle while another system runs: a system is timed only once the others' processes use no CPU, for vLLM's engine
+polls its queues for a while after a call); the repetitions still alternate, and every generate call starts from a reset
 prefix cache. For loaded machines, where each vLLM start takes minutes.
 
 Record under `flock /tmp/lmc-bench.lock`. JSON: benchmarks/results/cpu_vs_vllm.json (record.spread per figure,
@@ -181,6 +182,7 @@ def equal_share(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> None:
     sys.path.insert(0, HERE)
+    from peer import process_tree, wait_quiet
     from record import SHARED_MACHINE_NOTE, exact, finish, provenance, spread
 
     ap = argparse.ArgumentParser()
@@ -212,6 +214,9 @@ def main() -> None:
             live[kind] = Worker(kind, model_dir, env, args.peer_venv, args.dtype)
         for rep in range(args.reps):
             for kind in args.systems if rep % 2 == 0 else list(reversed(args.systems)):
+                for other in live:  # idle workers of other systems use no CPU meanwhile (vLLM polls after a call)
+                    if other != kind:
+                        wait_quiet(process_tree(live[other].proc.pid), what=f"the {other} worker")
                 r = measure(live[kind], rep) if live else run_rep(kind, model_dir, env, rep, args.peer_venv, args.dtype)
                 runs[kind].append(r)
                 loads.append(os.getloadavg())

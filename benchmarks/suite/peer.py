@@ -174,18 +174,69 @@ class VLLMServer(ManagedServer):
         r.raise_for_status()
 
     def wait_idle(self, timeout: float = 300.0) -> float:
-        """Block until the server runs and queues no request (its /metrics); returns the seconds waited. A client's
-        run can end with calls of its still on the server (a compiled program's speculative or abandoned ones), which
-        would share the cores with whatever runs next (programs_load_bench.py)."""
+        """Block until the server runs and queues no request (its /metrics) and its processes have stopped using
+        the CPU; returns the seconds waited. A client's run can end with calls of its still on the server (a
+        compiled program's speculative or abandoned ones), and after its last step vLLM's worker keeps polling its
+        shared-memory queue for a second (shm_broadcast's `busy_loop_s`, one core at 100%): either would share the
+        cores with whatever runs next (programs_load_bench.py)."""
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
+        while True:
             text = httpx.get(self.base_url[:-3] + "/metrics", timeout=10).text
             busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
             if busy == 0:
-                return time.perf_counter() - t0
+                break
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"the vLLM server at {self.base_url} still had requests after {timeout:.0f} s")
             time.sleep(0.1)
-        raise RuntimeError(f"the vLLM server at {self.base_url} still had requests after {timeout:.0f} s")
+        wait_quiet(self._processes(), timeout - (time.perf_counter() - t0), f"the vLLM server at {self.base_url}")
+        return time.perf_counter() - t0
+
+    def _processes(self) -> list:
+        """The server's process and its descendants (engine core, worker): the listener on our port when
+        attached."""
+        import psutil
+
+        pid = self.proc.pid if self.proc is not None else next(
+            c.pid for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port and c.pid)
+        return process_tree(pid)
+
+
+def process_tree(pid: int) -> list:
+    """The process `pid` and its descendants (psutil.Process objects)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def wait_quiet(procs: list, timeout: float = 30.0, what: str = "the peer") -> float:
+    """Block until `procs` together use under 5% of one core over a 0.2 s window; returns the seconds waited. vLLM
+    polls its queues for a while after its last step (see VLLMServer.wait_idle): a system timed right after it
+    would share the cores with that."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if _cpu_seconds(procs, window=0.2) < 0.01:
+            return time.perf_counter() - t0
+    raise RuntimeError(f"{what} still used the CPU after {timeout:.0f} s")
+
+
+def _cpu_seconds(procs: list, window: float) -> float:
+    """CPU seconds (user + system, all threads) that `procs` used over the next `window` seconds."""
+    def total() -> float:
+        s = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                s += t.user + t.system
+            except Exception:  # exited meanwhile: uses nothing
+                pass
+        return s
+
+    before = total()
+    time.sleep(window)
+    return total() - before
 
 
 def cpu_binding(log_path: str) -> dict | None:
