@@ -110,6 +110,8 @@ def main() -> None:
                 srv.start()
                 try:
                     res = run_client(srv.base_url, model_dir, home)
+                    if kind == "vllm":  # an attached server stays up: quiet before lmc's turn (peer.wait_idle)
+                        srv.wait_idle()
                 finally:
                     srv.stop()
                 if res["completed"] != GROUPS * PER_GROUP:

@@ -197,9 +197,10 @@ class VLLMServer(ManagedServer):
         attached."""
         import psutil
 
+        port = int(self.base_url.rsplit(":", 1)[1].split("/")[0])  # (an attached server's: see --vllm-url)
         pid = self.proc.pid if self.proc is not None else next(
             c.pid for c in psutil.net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port and c.pid)
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid)
         return process_tree(pid)
 
 

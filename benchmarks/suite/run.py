@@ -86,6 +86,12 @@ class System:
         if self.peer is not None:
             self.peer.reset_prefix_cache()
 
+    def settle(self) -> None:
+        """After a measurement: the vLLM server idle and its processes quiet (they poll a core for a second after
+        their last step), so the next system measured has the cores to itself."""
+        if self.peer is not None:
+            self.peer.wait_idle()
+
     def recorder(self):
         if self.engine is not None:
             return EngineRecorder(self.engine)
@@ -138,6 +144,7 @@ def run_throughput(system: System, w: Workload) -> tuple[float, list, CacheFigur
         for t in threads:
             t.join()
         seconds = time.perf_counter() - t0
+    system.settle()
     if errors:
         raise errors[0]
     return seconds, states, rec.figures()
@@ -153,7 +160,9 @@ def run_latency(system: System, w: Workload) -> float:
                                                  **(system.sampling or {}), **args)
         if st.error() is not None:
             raise st.error()
-    return (time.perf_counter() - t0) / len(calls)
+    seconds = time.perf_counter() - t0
+    system.settle()
+    return seconds / len(calls)
 
 
 def spread(xs: list[float], key: str) -> dict:
