@@ -162,3 +162,36 @@ def test_peer_cpu_binding_is_read_from_the_vllm_log(tmp_path):
     log.write_text("no binding block here\n")
     assert cpu_binding(str(log)) is None
     assert cpu_binding(str(tmp_path / "missing.log")) is None
+
+
+def test_peer_wait_quiet_waits_out_a_process_tree_that_polls_after_its_work(tmp_path):
+    """As vLLM's worker after its last step: a child that spins for a while, then sleeps. wait_quiet returns only
+    once the tree is idle, and at once for an idle tree."""
+    import subprocess
+    import time
+
+    from peer import process_tree, wait_quiet
+
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', "
+            "'import time\\nt = time.time()\\nwhile time.time() - t < 0.8: pass\\ntime.sleep(60)'])\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        waited = wait_quiet(process_tree(parent.pid), timeout=20)
+        assert waited >= 0.4 and time.perf_counter() - t0 >= 0.4  # the child's spin was waited out
+        assert wait_quiet(process_tree(parent.pid), timeout=5) < 0.5  # idle now: one window
+        with pytest.raises(RuntimeError, match="still used the CPU"):
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                wait_quiet(process_tree(spinner.pid), timeout=0.5, what="the spinner")
+            finally:
+                spinner.kill()
+    finally:
+        for p in process_tree(parent.pid)[::-1]:
+            p.kill()
+        parent.wait()
