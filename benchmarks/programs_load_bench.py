@@ -217,6 +217,13 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _device() -> str:
+    """Where the lmc servers ran (`lmc serve --device auto`): the GPU's name, or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
@@ -296,7 +303,7 @@ def main() -> None:
     top = str(max(a.rates))
     result = {
         "provenance": finish(prov), "model": "smollm2-135m-instruct", "reps": a.reps, "rates": a.rates,
-        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens, "lmc_dtype": a.dtype,
+        "instances_per_run": a.instances, "kv_tokens": a.kv_tokens, "lmc_dtype": a.dtype, "device": _device(),
         "program_server_busy_prefill_tokens": a.busy_prefill_tokens, "systems": a.systems, "orders": orders,
         "mix": {k: v[2] for k, v in progs.items()}, "summary": summary, "targets": TARGETS,
         "saturation_rate": float(top), "plot": os.path.basename(os.path.splitext(a.out)[0] + ".png"),

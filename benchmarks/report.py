@@ -693,8 +693,9 @@ def _line_programs_load(r: dict) -> str | None:
         return None
     shaped = " and forward shaping" if r.get("program_server_busy_prefill_tokens") else ""
     dtype = f", lmc servers in {r['lmc_dtype']}" if r.get("lmc_dtype", "auto") != "auto" else ""
-    return (f"- Program instances under load ({r['instances_per_run']} a run at {num(r['saturation_rate'], 2)}/s"
-            f"{dtype}), the `program` policy{shaped} with "
+    where = "" if r.get("device", "cpu") == "cpu" else f" on a lent {r['device']}"  # recorded since session 29
+    return (f"- Program instances under load{where} ({r['instances_per_run']} a run at "
+            f"{num(r['saturation_rate'], 2)}/s{dtype}), the `program` policy{shaped} with "
             f"compiled programs against `lpm` with interpreted ones: mean completion {fig(q['mean_ratio'], 2, 'x')}, p90 "
             f"{fig(q['p90_ratio'], 2, 'x')}, throughput {fig(q['throughput_ratio'], 2, 'x')}.")
 
@@ -734,7 +735,8 @@ README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "cpu_vs_vllm.json": _l
                      "programs_latency_h100.json": _line_programs_latency,
                      "programs_load.json": _line_programs_load, "programs_load_24.json": _line_programs_load,
                      "programs_load_48.json": _line_programs_load, "programs_load_24_bf16.json": _line_programs_load,
-                     "programs_load_48_bf16.json": _line_programs_load})
+                     "programs_load_48_bf16.json": _line_programs_load,
+                     "programs_load_h200.json": _line_programs_load})
 
 
 
@@ -812,9 +814,12 @@ def render_programs_load(r: dict, _dir: Path) -> str:
     policy = ratio_rows("policy_ratios")  # records before it lack it
     same = ", ".join(f"{s} {pct(v, 0, exact=True)}" for s, v in r["same_variables_as_program_compiled"].items()
                      if v is not None)
+    gpu = r.get("device", "cpu") != "cpu"
+    vllm = "vllm/compiled" in r["systems"]
     return "\n".join([
         f"## Program instances under load, {r['instances_per_run']} per run: the program policy, compiled vs "
-        "interpreted, and vLLM-CPU\n",
+        "interpreted" + (", and vLLM-CPU" if vllm else "") + (f"; lmc serve on a lent {r['device']}" if gpu else "")
+        + "\n",
         f"A mixed stream ({', '.join(f'{k} {v:.0%}' for k, v in r['mix'].items())}) of {r['instances_per_run']} "
         f"instances per run arriving at Poisson rates against `lmc serve` with a {r['kv_tokens']}-token KV pool "
         "(too small to keep every prefix), temperature 0"
@@ -825,7 +830,7 @@ def render_programs_load(r: dict, _dir: Path) -> str:
         "--schedule-policy before the slash" + (f" (the program server with --busy-prefill-tokens "
                                                  f"{r['program_server_busy_prefill_tokens']}: forward shaping)"
                                                  if r.get("program_server_busy_prefill_tokens") else "")
-        + "; vLLM-CPU through lmc.OpenAI. Completion = done - scheduled arrival; "
+        + ("; vLLM-CPU through lmc.OpenAI" if vllm else "") + ". Completion = done - scheduled arrival; "
         "throughput = instances / (last done - first arrival). Median (min-max) of "
         f"{r['reps']} runs, systems alternating within each. Plot: {r.get('plot', 'programs_load.png')}.\n",
         command(r) + f" Run note: {r['note']}", "",

@@ -82,25 +82,39 @@ def test_rope_row_order_is_transformers_reverse_permutation(heads):
     assert np.array_equal(rope_row_order(n, heads), proc._reverse_permute_weights(np.arange(n), heads, heads))
 
 
-def test_the_embedded_model_runs_every_linear_from_its_blocks(engine):
+@pytest.fixture(scope="module")
+def cpu_engine(engine):
+    """The session engine where it runs on the CPU (CI); on a GPU machine a CPU engine of its own: blocks are the
+    CPU's."""
+    if engine.device.type == "cpu":
+        yield engine
+        return
+    from lmc.runtime import Engine
+
+    eng = Engine(MODEL, device="cpu", dtype="float32", check_invariants=True)
+    yield eng
+    eng.shutdown()
+
+
+def test_the_embedded_model_runs_every_linear_from_its_blocks(cpu_engine):
     """SmolLM2's 30 layers' four linears from Q4_1 blocks, its tied lm-head from the Q8_0 embedding table: each
     layer took its blocks only after they dequantized to its loaded weight exactly."""
-    model = engine.runner.model
-    assert engine.runner.gguf_block_linears == 4 * model.cfg.num_layers + 1
+    model = cpu_engine.runner.model
+    assert cpu_engine.runner.gguf_block_linears == 4 * model.cfg.num_layers + 1
     assert model.layers[0].mlp.down_proj.block_bits == 4 and model.lm_head.block_bits == 8
 
 
-def test_outputs_are_the_fp32_panels_outputs(engine):
+def test_outputs_are_the_fp32_panels_outputs(cpu_engine):
     """Greedy tokens and their logprobs, at decode and prefill row counts: identical with blocks and without."""
     from lmc.runtime import Engine
 
-    dense = Engine(MODEL, gguf_blocks=False, max_total_tokens=4096)
+    dense = Engine(MODEL, device="cpu", gguf_blocks=False, max_total_tokens=4096)
     try:
         assert dense.runner.gguf_block_linears == 0
         prompts = ["The capital of France is", "List three colors:" * 12, "1, 2, 3,"]
         params = {"max_new_tokens": 12, "temperature": 0}
         got, want = ([eng.generate(p, params, return_logprob=True, logprob_start_len=0) for p in prompts]
-                     for eng in (engine, dense))
+                     for eng in (cpu_engine, dense))
         for a, b in zip(got, want):
             assert a["output_ids"] == b["output_ids"]
             assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
@@ -136,7 +150,7 @@ def test_the_scheduler_thread_runs_torch_serially_and_the_device_thread_keeps_it
     before = torch.get_num_threads()
     device_before = _cpu_device().submit(torch.get_num_threads).result()
     torch.set_num_threads(2)  # the default count of threads yet to run a torch op: the scheduler thread's
-    eng = Engine("dummy:tiny", max_total_tokens=512)
+    eng = Engine("dummy:tiny", device="cpu", max_total_tokens=512)
     try:
         seen = []
         step = eng.scheduler.step

@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_program_steps_accounts_for_each_forward(tmp_path):
     out = tmp_path / "steps.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "program_steps.py"), str(out), "chain6", "2"],
-                   check=True, timeout=300, cwd=ROOT, env={**os.environ, "M": "dummy:tiny@smollm2-135m-instruct"})
+                   check=True, timeout=300, cwd=ROOT, env={**os.environ, "M": "dummy:tiny@smollm2-135m-instruct",
+                                                    "CUDA_VISIBLE_DEVICES": ""})  # the CPU's accounting
     chain = json.loads(out.read_text())["programs"]["chain6"]
     for way in ("compiled", "interpreted"):
         run = chain[way]["example_run"]
