@@ -724,7 +724,8 @@ def _line_gpu_pytest(r: dict) -> str:
             f"{t.get('skipped', 0)} skipped; RESULTS.md says which and why.")
 
 
-README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "gpu_pytest_h200.json": _line_gpu_pytest, "cpu_vs_vllm.json": _line_cpu_vs_vllm,
+README_LINES.update({"gpu_pytest.json": _line_gpu_pytest, "gpu_pytest_h200.json": _line_gpu_pytest,
+                     "cpu_vs_vllm.json": _line_cpu_vs_vllm,
                      "cpu_vs_vllm_bf16.json": _line_cpu_vs_vllm,
                      "cpu_speed_bf16.json": _line_cpu_speed, "cpu_speed_blocks.json": _line_cpu_speed,
                      "serving_bench.json": _line_serving,

@@ -164,7 +164,7 @@ def test_peer_cpu_binding_is_read_from_the_vllm_log(tmp_path):
     assert cpu_binding(str(tmp_path / "missing.log")) is None
 
 
-def test_peer_wait_quiet_waits_out_a_process_tree_that_polls_after_its_work(tmp_path):
+def test_peer_wait_quiet_waits_out_a_process_tree_that_polls_after_its_work():
     """As vLLM's worker after its last step: a child that spins for a while, then sleeps. wait_quiet returns only
     once the tree is idle, and at once for an idle tree."""
     import subprocess
